@@ -1,0 +1,30 @@
+# Two commands from a fresh clone: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# Reinstall only when the dependency list or the constraints change.
+$(STAMP): $(BIN)/python pyproject.toml constraints.txt
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	MUJOCO_GL=$${MUJOCO_GL:-egl} $(BIN)/embodied-rl quickstart
+
+test: install
+	MUJOCO_GL=$${MUJOCO_GL:-egl} $(BIN)/python -m pytest -q -p no:cacheprovider
+
+lint: install
+	$(BIN)/ruff check embodied_rl tests benchmarks
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,177 @@
+"""The `embodied-rl` command line.
+
+    embodied-rl <command> [key=value ...]
+
+Each command composes its Hydra config (configs/<command>.yaml plus groups task/, policy/,
+algo/, sim/), validates it before doing any work, runs in one run directory, and prints the
+headline numbers and the run directory at the end. Bad input exits with code 2 and one line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from embodied_rl.errors import UserError
+from embodied_rl.paths import config_dir
+
+# command -> (one-line help, module with `run(cfg, run) -> dict`)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "collect": ("run a scripted expert and write a demo dataset", "embodied_rl.commands.collect"),
+    "pretrain": ("behaviour-clone a policy from demos", "embodied_rl.commands.pretrain"),
+    "eval": ("success rate, intervals and videos of a checkpoint", "embodied_rl.commands.evaluate"),
+    "finetune": ("RL fine-tuning of a pretrained policy", "embodied_rl.commands.finetune"),
+    "quickstart": ("collect, pretrain, eval, finetune, eval on the default task", "embodied_rl.commands.quickstart"),
+}
+
+USAGE = """usage: embodied-rl <command> [key=value ...]
+
+Make pretrained robot policies better with reinforcement learning in simulation.
+
+commands:
+{commands}
+
+Every command takes Hydra overrides (key=value) and run_dir=PATH.
+`embodied-rl <command> --help` prints the command's full config.
+"""
+
+
+def usage() -> str:
+    lines = [f"  {name:<11} {text}" for name, (text, _) in COMMANDS.items()]
+    return USAGE.format(commands="\n".join(lines))
+
+
+def config_groups() -> list[str]:
+    return sorted(p.name for p in config_dir().iterdir() if p.is_dir() and not p.name.startswith("_"))
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
+
+
+def _hydra_error_line(command: str, error: Exception) -> str:
+    text = str(error)
+    match = re.search(r"Could not override '([^']+)'", text)
+    if match:
+        return f"unknown config key '{match.group(1)}' for '{command}'"
+    match = re.search(r"Could not (?:find|load) '([^'/]+)/([^']+)'", text)
+    if match:
+        group, option = match.groups()
+        options = ", ".join(group_options(group)) if (config_dir() / group).is_dir() else "?"
+        return f"unknown {group} '{option}' (choose from: {options})"
+    match = re.search(r"Key '([^']+)' is not in struct", text)
+    if match:
+        return f"unknown config key '{match.group(1)}' for '{command}'"
+    return text.strip().splitlines()[0] if text.strip() else type(error).__name__
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return type(value).__name__
+
+
+def _check_types(reference: Any, composed: Any, overrides: list[str]) -> None:
+    """A value overridden on the command line must have the type of its default."""
+    from omegaconf import OmegaConf
+
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if "=" not in override or key in config_groups():
+            continue
+        default = OmegaConf.select(reference, key, throw_on_missing=False)
+        value = OmegaConf.select(composed, key, throw_on_missing=False)
+        if default is None or value is None:
+            continue
+        if isinstance(default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(default, int):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif isinstance(default, float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif isinstance(default, str):
+            ok = isinstance(value, (str, int, float)) and not isinstance(value, bool)
+        else:
+            ok = type(value) is type(default)
+        if not ok:
+            raise UserError(
+                f"bad value for '{key}': expected {_describe(default)}, got {override.split('=', 1)[1]!r}"
+            )
+
+
+def compose(command: str, overrides: list[str]):
+    """Compose and type-check the config of `command`; raises UserError on bad input."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    groups = set(config_groups())
+    group_overrides = [o for o in overrides if o.split("=", 1)[0] in groups]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+        try:
+            reference = hydra_compose(config_name=command, overrides=group_overrides)
+            cfg = hydra_compose(config_name=command, overrides=overrides)
+        except Exception as error:  # Hydra's own override / composition errors
+            if type(error).__module__.startswith(("hydra", "omegaconf")):
+                raise UserError(_hydra_error_line(command, error)) from None
+            raise
+    _check_types(reference, cfg, overrides)
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def print_headline(command: str, headline: dict[str, Any], run_dir: Path) -> None:
+    for key, value in headline.items():
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        print(f"{key}: {value}")
+    print(f"run_dir: {run_dir}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from embodied_rl import __version__
+
+        print(f"embodied-rl {__version__}")
+        return 0
+    command, overrides = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"error: unknown command '{command}' (choose from: {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
+    try:
+        cfg = compose(command, [o for o in overrides if o not in ("-h", "--help")])
+        if "-h" in overrides or "--help" in overrides:
+            from omegaconf import OmegaConf
+
+            print(f"embodied-rl {command}: {COMMANDS[command][0]}\n\nconfig (override with key=value):\n")
+            print(OmegaConf.to_yaml(cfg))
+            return 0
+        module = importlib.import_module(COMMANDS[command][1])
+        headline, run_dir = module.main(cfg)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    print_headline(command, headline, run_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""The on-disk demo format: a zarr group with episode ends, as in diffusion_policy.
+
+    <name>.zarr/
+      data/obs             float32 [T, D]   state observation at each step
+      data/action          float32 [T, A]   action taken at that step, in [-1, 1]
+      data/reward          float32 [T]
+      data/pixels          uint8 [T, H, W, 3]   only when collected with pixels=true
+      meta/episode_ends    int64 [E]        exclusive end index of each episode in the step axis
+      meta/episode_success bool [E]
+      attrs: format, task, obs_dim, action_dim, plus whatever the collector records
+
+Episode e covers steps [episode_ends[e-1], episode_ends[e]) (0 for the first episode).
+Writes go to a temporary sibling and are renamed into place, so a dataset is whole or absent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from embodied_rl.errors import UserError
+from embodied_rl.runs import atomic_dir
+
+FORMAT = "embodied_rl.demos/v1"
+STEP_KEYS = ("obs", "action", "reward")
+
+
+def write_demos(path: str | Path, episodes: list[dict[str, np.ndarray]], attrs: dict[str, Any]) -> Path:
+    """Write episodes (dicts of per-step arrays: obs, action, reward, optional pixels, and a
+    scalar `success`) as one zarr dataset at `path`. Refuses to overwrite an existing path."""
+    import zarr
+
+    path = Path(path)
+    if path.exists():
+        raise UserError(f"dataset path '{path}' already exists; nothing was overwritten")
+    if not episodes:
+        raise UserError("no episodes to write")
+    keys = list(STEP_KEYS) + (["pixels"] if "pixels" in episodes[0] else [])
+    lengths = [len(ep["action"]) for ep in episodes]
+    with atomic_dir(path) as tmp:
+        root = zarr.open_group(str(tmp), mode="w")
+        data = root.create_group("data")
+        for key in keys:
+            array = np.concatenate([np.asarray(ep[key]) for ep in episodes], axis=0)
+            if key != "pixels":
+                array = array.astype(np.float32)
+            chunks = (min(len(array), 1024 if key != "pixels" else 64),) + array.shape[1:]
+            data.create_array(key, data=array, chunks=chunks)
+        meta = root.create_group("meta")
+        meta.create_array("episode_ends", data=np.cumsum(lengths).astype(np.int64))
+        success = np.array([bool(ep.get("success", False)) for ep in episodes])
+        meta.create_array("episode_success", data=success)
+        root.attrs.update({"format": FORMAT, **attrs})
+    return path
+
+
+@dataclass
+class DemoDataset:
+    """A demo dataset loaded into memory (the built-in tasks' datasets are small)."""
+
+    path: Path
+    obs: np.ndarray
+    action: np.ndarray
+    reward: np.ndarray
+    episode_ends: np.ndarray
+    episode_success: np.ndarray
+    pixels: np.ndarray | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_episodes(self) -> int:
+        return len(self.episode_ends)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.action)
+
+    def episode_bounds(self, episode: int) -> tuple[int, int]:
+        start = 0 if episode == 0 else int(self.episode_ends[episode - 1])
+        return start, int(self.episode_ends[episode])
+
+    @classmethod
+    def load(cls, path: str | Path, max_episodes: int | None = None) -> DemoDataset:
+        """Load a dataset; any missing or inconsistent part is a UserError naming it."""
+        import zarr
+
+        path = Path(path)
+        if not path.exists():
+            raise UserError(f"dataset '{path}' does not exist")
+        try:
+            root = zarr.open_group(str(path), mode="r")
+            attrs = dict(root.attrs)
+            arrays = {key: root["data"][key][:] for key in STEP_KEYS}
+            pixels = root["data"]["pixels"][:] if "pixels" in root["data"] else None
+            ends = root["meta"]["episode_ends"][:].astype(np.int64)
+            success = root["meta"]["episode_success"][:].astype(bool)
+        except UserError:
+            raise
+        except Exception as error:  # zarr raises many types for a corrupt store
+            raise UserError(f"dataset '{path}' is corrupt or not a demo dataset ({type(error).__name__}: {error})") from None
+        if attrs.get("format") != FORMAT:
+            raise UserError(f"dataset '{path}' has format {attrs.get('format')!r}, expected {FORMAT!r}")
+        steps = len(arrays["action"])
+        lengths = {key: len(value) for key, value in arrays.items()}
+        if pixels is not None:
+            lengths["pixels"] = len(pixels)
+        if len(set(lengths.values())) != 1:
+            raise UserError(f"dataset '{path}' is corrupt: step arrays have different lengths {lengths}")
+        if len(ends) == 0 or ends[-1] != steps or np.any(np.diff(ends) <= 0) or len(success) != len(ends):
+            raise UserError(f"dataset '{path}' is corrupt: meta/episode_ends does not match {steps} steps")
+        if not (np.isfinite(arrays["obs"]).all() and np.isfinite(arrays["action"]).all()):
+            raise UserError(f"dataset '{path}' is corrupt: non-finite values in obs or action")
+        dataset = cls(path, arrays["obs"], arrays["action"], arrays["reward"], ends, success, pixels, attrs)
+        if max_episodes is not None and max_episodes < dataset.num_episodes:
+            dataset = dataset.first_episodes(max_episodes)
+        return dataset
+
+    def first_episodes(self, count: int) -> DemoDataset:
+        end = int(self.episode_ends[count - 1])
+        return DemoDataset(
+            self.path, self.obs[:end], self.action[:end], self.reward[:end],
+            self.episode_ends[:count], self.episode_success[:count],
+            None if self.pixels is None else self.pixels[:end], dict(self.attrs),
+        )

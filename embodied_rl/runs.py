@@ -1,0 +1,168 @@
+"""Run directories: creation, atomic writes, metric logging, progress bars.
+
+Every command writes everything into one run directory (see docs/architecture.md):
+config.yaml, metrics.jsonl, tb/, checkpoints/, eval_info.json, videos/, report.md, plots/.
+Writes are atomic (write a temporary file, then rename) so a run killed at any moment leaves
+either the old file or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from embodied_rl.errors import UserError
+
+
+def default_run_dir(command: str, task: str | None) -> Path:
+    now = _dt.datetime.now()
+    name = f"{now:%H-%M-%S}_{command}" + (f"_{task}" if task else "")
+    return Path("runs") / f"{now:%Y-%m-%d}" / name
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "tolist"):  # numpy arrays and scalars, torch tensors
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, default=_json_default) + "\n")
+
+
+@contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling directory; on success it replaces `path` in one rename.
+
+    Used for checkpoints: a kill mid-save leaves the previous checkpoint intact.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        yield tmp
+        old = None
+        if path.exists():
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def progress(iterable: Iterable | None = None, total: int | None = None, desc: str = ""):
+    """A tqdm progress bar, shown only when stderr is a terminal."""
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, disable=not sys.stderr.isatty(), leave=False)
+
+
+class Run:
+    """One run directory and its loggers.
+
+    `Run(path)` creates the directory. `log(step, metrics)` appends one JSON line to
+    metrics.jsonl and mirrors every scalar to TensorBoard under tb/.
+    """
+
+    def __init__(self, path: str | Path, command: str = "", allow_existing: bool = False):
+        self.path = Path(path)
+        self.command = command
+        if self.path.exists() and not self.path.is_dir():
+            raise UserError(f"run_dir '{self.path}' exists and is not a directory")
+        if self.path.is_dir() and any(self.path.iterdir()) and not allow_existing:
+            raise UserError(
+                f"run_dir '{self.path}' already holds files; choose a new run_dir (nothing was overwritten)"
+            )
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._tb = None
+
+    def file(self, *parts: str) -> Path:
+        return self.path.joinpath(*parts)
+
+    def write_json(self, name: str, obj: Any) -> Path:
+        target = self.file(name)
+        atomic_write_json(target, obj)
+        return target
+
+    def write_text(self, name: str, text: str) -> Path:
+        target = self.file(name)
+        atomic_write_text(target, text)
+        return target
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        scalars = {}
+        for key, value in metrics.items():
+            if hasattr(value, "item"):
+                value = value.item()
+            if isinstance(value, bool):
+                value = float(value)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                scalars[key] = value
+        with open(self.file("metrics.jsonl"), "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": int(step), **scalars}) + "\n")
+        writer = self._tensorboard()
+        if writer is not None:
+            for key, value in scalars.items():
+                writer.add_scalar(key, value, int(step))
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        path = self.file("metrics.jsonl")
+        if not path.exists():
+            return []
+        rows = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:  # a line cut short by a kill
+                    continue
+        return rows
+
+    def _tensorboard(self):
+        if self._tb is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is a dependency, but logging must never kill a run
+                self._tb = False
+                return None
+            self._tb = SummaryWriter(str(self.file("tb")))
+        return self._tb or None
+
+    def close(self) -> None:
+        if self._tb:
+            self._tb.close()
+            self._tb = None
