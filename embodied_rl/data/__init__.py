@@ -1,5 +1,7 @@
 """On-disk demonstrations, training windows and normalisation."""
 
 from embodied_rl.data.dataset import DemoDataset, write_demos
+from embodied_rl.data.normalizer import Normalizer
+from embodied_rl.data.windows import ChunkWindows, window_indices
 
-__all__ = ["DemoDataset", "write_demos"]
+__all__ = ["ChunkWindows", "DemoDataset", "Normalizer", "window_indices", "write_demos"]

@@ -1,0 +1,89 @@
+"""Scripted experts: one module per task, `embodied_rl.envs.experts.<task>`, exposing `Expert`.
+
+An expert follows the agent protocol (docs/architecture.md) so collectors and evaluators can run
+it like any policy:
+
+    expert = make_expert("reach", env, quality=1.0, generator=torch.Generator().manual_seed(0))
+    expert.reset(mask)          # bool[N]: forget per-env state where set (call after env resets)
+    actions = expert.act(obs)   # Tensor[N, A] in [-1, 1]
+
+Experts may read privileged state (`env.state`, a SimState, and `env.task`'s bound indices).
+`quality` in [0, 1] degrades the expert: 1 is the best expert; lower adds action noise, random
+hesitation (zero actions held for a few steps) and slower motion. `ScriptedExpert` implements
+that degradation once; a task's expert implements `plan(obs) -> clean actions [N, A]`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from embodied_rl.errors import UserError
+
+
+class ScriptedExpert:
+    """Base class: `act` = `plan` degraded according to `quality`.
+
+    Degradation at quality q (bad = 1 - q):
+      - slower: actions scaled by (1 - slow_scale * bad) (only for tasks where a smaller action
+        means slower motion, i.e. velocity-like actions; set slow_scale = 0 otherwise);
+      - noise: Gaussian noise with std noise_scale * bad, clamped to [-1, 1];
+      - hesitation: with probability hesitate_prob * bad per step an env starts holding a
+        `hold_action` (default: zeros) for hesitate_steps steps.
+    """
+
+    noise_scale: float = 0.6
+    slow_scale: float = 0.5
+    hesitate_prob: float = 0.08
+    hesitate_steps: int = 5
+
+    def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None):
+        if not 0.0 <= float(quality) <= 1.0:
+            raise UserError(f"quality must be in [0, 1], got {quality}")
+        self.env = env
+        self.task = env.task
+        self.quality = float(quality)
+        self.num_envs = env.num_envs
+        self.device = env.device
+        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        self.hesitating = torch.zeros(self.num_envs, dtype=torch.long)
+
+    def plan(self, obs: Any) -> Tensor:
+        """Clean expert actions [N, A] in [-1, 1]."""
+        raise NotImplementedError
+
+    def hold_action(self, actions: Tensor) -> Tensor:
+        """What a hesitating env does (default: zero action)."""
+        return torch.zeros_like(actions)
+
+    def reset(self, mask: Tensor | None = None) -> None:
+        mask = torch.ones(self.num_envs, dtype=torch.bool) if mask is None else mask.cpu().bool()
+        self.hesitating[mask] = 0
+
+    def act(self, obs: Any) -> Tensor:
+        actions = self.plan(obs).to(device="cpu", dtype=torch.float32)
+        bad = 1.0 - self.quality
+        if bad > 0:
+            actions = actions * (1.0 - self.slow_scale * bad)
+            noise = torch.randn(actions.shape, generator=self.generator) * (self.noise_scale * bad)
+            actions = actions + noise
+            start = torch.rand(self.num_envs, generator=self.generator) < self.hesitate_prob * bad
+            self.hesitating[start & (self.hesitating == 0)] = self.hesitate_steps
+            holding = self.hesitating > 0
+            actions = torch.where(holding[:, None], self.hold_action(actions), actions)
+            self.hesitating = (self.hesitating - 1).clamp(min=0)
+        return actions.clamp(-1.0, 1.0).to(self.device)
+
+
+def make_expert(task_name: str, env: Any, quality: float = 1.0, generator: torch.Generator | None = None):
+    """The scripted expert of `task_name` for `env` (a BatchedEnv of that task)."""
+    try:
+        module = importlib.import_module(f"embodied_rl.envs.experts.{task_name}")
+    except ModuleNotFoundError as error:
+        if error.name == f"embodied_rl.envs.experts.{task_name}":
+            raise UserError(f"task '{task_name}' has no scripted expert") from None
+        raise
+    return module.Expert(env, quality=quality, generator=generator)

@@ -1,0 +1,13 @@
+"""Evaluation: success rates with confidence intervals, per-episode records, videos, reports."""
+
+from embodied_rl.eval.evaluate import evaluate, format_headline, round_seed, summarize
+from embodied_rl.eval.stats import mean_interval, wilson_interval
+
+__all__ = [
+    "evaluate",
+    "format_headline",
+    "mean_interval",
+    "round_seed",
+    "summarize",
+    "wilson_interval",
+]
