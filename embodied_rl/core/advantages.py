@@ -109,7 +109,7 @@ def gae(
     _check_2d("gae", "rewards", rewards, "[T, N]")
     terminated = terminated.bool()
     episode_ended = terminated | truncated.bool()
-    not_terminated = (~episode_ended).to(rewards.dtype)
+    not_terminated = (~terminated).to(rewards.dtype)
     not_ended = (~episode_ended).to(rewards.dtype)
 
     # One-step TD errors for every step at once; only the lambda-sum needs the loop.
