@@ -41,10 +41,11 @@ def window_indices(
 
 
 class ChunkWindows:
-    """All windows of a demo dataset, normalised once, served as torch batches.
+    """All windows of a demo dataset, served as torch batches in environment units.
 
-    batch keys: "obs" f32 [B, To, D] and "action" f32 [B, H, A] (both normalised), plus
-    "pixels" u8 [B, To, h, w, 3] when obs_mode == "pixels" (the image encoder scales to [0, 1]).
+    batch keys: "obs" f32 [B, To, D] and "action" f32 [B, H, A], plus "pixels" u8
+    [B, To, h, w, 3] when obs_mode == "pixels". The policy normalises obs and actions with the
+    Normalizer it carries (fit with `fit_normalizer`) and its image encoder scales pixels to [0, 1].
     """
 
     def __init__(
@@ -52,7 +53,6 @@ class ChunkWindows:
         dataset: DemoDataset,
         n_obs_steps: int,
         horizon: int,
-        normalizer: Normalizer,
         obs_mode: str = "state",
         device: str | torch.device = "cpu",
     ):
@@ -66,10 +66,8 @@ class ChunkWindows:
         obs_index, action_index = window_indices(dataset.episode_ends, n_obs_steps, horizon)
         self.obs_index = torch.from_numpy(obs_index).to(device)
         self.action_index = torch.from_numpy(action_index).to(device)
-        self.obs = normalizer.normalize("obs", torch.as_tensor(dataset.obs, dtype=torch.float32)).to(device)
-        self.action = normalizer.normalize(
-            "action", torch.as_tensor(dataset.action, dtype=torch.float32)
-        ).to(device)
+        self.obs = torch.as_tensor(dataset.obs, dtype=torch.float32).to(device)
+        self.action = torch.as_tensor(dataset.action, dtype=torch.float32).to(device)
         self.pixels = torch.from_numpy(dataset.pixels).to(device) if obs_mode == "pixels" else None
         self.device = torch.device(device)
 
@@ -86,3 +84,8 @@ class ChunkWindows:
     def sample(self, batch_size: int, generator: torch.Generator | None = None) -> dict[str, Tensor]:
         indices = torch.randint(len(self), (batch_size,), generator=generator)
         return self.batch(indices)
+
+
+def fit_normalizer(dataset: DemoDataset, mode: str = "minmax") -> Normalizer:
+    """Statistics of a dataset's obs and actions (pixels are scaled by the image encoder)."""
+    return Normalizer.fit({"obs": dataset.obs, "action": dataset.action}, mode)

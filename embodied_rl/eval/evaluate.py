@@ -10,10 +10,12 @@ discarded. A round whose slots outnumber the remaining episodes counts only the 
 Success is `success_once`: an episode is a success if the task's success test held at any step
 of it, never a threshold on the mean or max reward.
 
-Replaying episode k (docs/evaluation.md): make the env with the same task, backend and
-`num_envs`, then under `torch.manual_seed(s)` call `env.reset(seed=s)` with s = the episode's
-`seed`, reset the agent, and step; env `k % num_envs` replays episode k (exactly, for a
-deterministic or identically seeded stochastic policy).
+Each round also seeds the agent's sampling with the same number: the global torch RNG (inside
+a fork, so the caller's RNG state is untouched) and the agent's own generator (`seed_agent`).
+
+Replaying episode k (docs/evaluation.md): its record holds `seed` (its round's reset seed) and
+`env_index`; `run_round(env, agent, seed)` on an env with the same task, backend and num_envs
+(or `evaluate(..., episodes=num_envs, seed=seed)`) returns it again as record `env_index`.
 """
 
 from __future__ import annotations
@@ -72,92 +74,133 @@ def evaluate(
         raise ValueError("videos > 0 needs a video_dir")
     task = getattr(env, "task", None)
     has_success = bool(getattr(task, "has_success", True))
-    max_steps = getattr(task, "max_episode_steps", None)
     num_envs = int(env.num_envs)
-    device = getattr(env, "device", "cpu")
 
     from embodied_rl.runs import progress as progress_bar
 
     bar = progress_bar(total=episodes, desc="eval") if progress else None
-    per_episode: list[dict[str, Any] | None] = [None] * episodes
+    per_episode: list[dict[str, Any]] = []
     start = time.perf_counter()
-    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=cuda):
+    try:
         for round_index in range(math.ceil(episodes / num_envs)):
             first = round_index * num_envs
-            slots = min(num_envs, episodes - first)  # envs whose first episode counts
-            reset_seed = round_seed(seed, round_index)
-            torch.manual_seed(reset_seed)
-            obs, _ = env.reset(seed=reset_seed)
-            agent.reset(torch.ones(num_envs, dtype=torch.bool, device=device))
-
-            running = torch.arange(num_envs) < slots  # counted episodes not finished yet
-            episode_return = torch.zeros(num_envs, dtype=torch.float64)
-            max_reward = torch.full((num_envs,), -math.inf, dtype=torch.float64)
-            length = torch.zeros(num_envs, dtype=torch.int64)
-            success = torch.zeros(num_envs, dtype=torch.bool)
-            recorders = {
-                i: EpisodeRecorder(video_size, fps) for i in range(slots) if first + i < videos
-            }
-            if recorders:
-                ids = sorted(recorders)
-                for i, frame in zip(ids, _render(env, ids)):
-                    recorders[i].add(frame, 0, None, 0.0)
-
-            round_steps = 0
-            while running.any():
-                action = agent.act(obs)
-                obs, reward, terminated, truncated, info = env.step(action)
-                round_steps += 1
-                reward = reward.detach().to("cpu", torch.float64)
-                done = (terminated | truncated).detach().cpu()
-                episode_return += torch.where(running, reward, 0.0)
-                max_reward = torch.where(running, torch.maximum(max_reward, reward), max_reward)
-                length += running.long()
-                if has_success:
-                    success |= _step_success(info, num_envs) & running
-                ended = done & running
-
-                # Render before anything else touches the envs; a done env already shows its
-                # next episode, so only envs still inside their counted episode are rendered.
-                live = [i for i in recorders if running[i] and not ended[i]]
-                if live:
-                    for i, frame in zip(live, _render(env, live)):
-                        recorders[i].add(frame, int(length[i]), float(reward[i]), float(episode_return[i]))
-
-                for i in ended.nonzero().flatten().tolist():
-                    k = first + i
-                    video = None
-                    if i in recorders:
-                        video = recorders.pop(i).finish(
-                            Path(video_dir) / f"episode_{k}.mp4", int(length[i]), float(reward[i]),
-                            float(episode_return[i]), bool(success[i]) if has_success else None,
-                        )
-                    per_episode[k] = {
-                        "episode": k,
-                        "seed": reset_seed,
-                        "env_index": i,
-                        "success": bool(success[i]) if has_success else None,
-                        "return": float(episode_return[i]),
-                        "max_reward": float(max_reward[i]),
-                        "length": int(length[i]),
-                        "video": str(video) if video is not None else None,
-                    }
-                    if bar is not None:
-                        bar.update(1)
-                running &= ~done
-                if done.any():
-                    agent.reset(done.to(device))
-                if max_steps is not None and round_steps > max_steps and running.any():
-                    raise RuntimeError(
-                        f"env did not end its episodes within max_episode_steps={max_steps}"
-                    )
-    if bar is not None:
-        bar.close()
-    records = [r for r in per_episode if r is not None]
-    overall = summarize(records, has_success)
+            records = run_round(
+                env, agent, round_seed(seed, round_index), first_episode=first,
+                slots=min(num_envs, episodes - first), videos=max(0, videos - first),
+                video_dir=video_dir, video_size=video_size, fps=fps, bar=bar,
+            )
+            per_episode.extend(records)
+    finally:
+        if bar is not None:
+            bar.close()
+    overall = summarize(per_episode, has_success)
     overall.update(num_envs=num_envs, seed=int(seed), eval_s=time.perf_counter() - start)
-    return {"overall": overall, "per_episode": records}
+    return {"overall": overall, "per_episode": per_episode}
+
+
+def run_round(
+    env: Any,
+    agent: Agent,
+    reset_seed: int,
+    first_episode: int = 0,
+    slots: int | None = None,
+    videos: int = 0,
+    video_dir: str | Path | None = None,
+    video_size: int | None = 256,
+    fps: int = DEFAULT_FPS,
+    bar: Any = None,
+) -> list[dict[str, Any]]:
+    """One evaluation round: reset every env with `reset_seed` and run until envs 0..slots-1
+    have each finished one episode; return their records (episode first_episode + i for env i).
+    Envs 0..videos-1 are recorded. The agent samples under a fork of the torch RNG seeded with
+    `reset_seed`, so the caller's RNG state is untouched."""
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        return _run_round(env, agent, reset_seed, first_episode, slots, videos, video_dir, video_size, fps, bar)
+
+
+def _run_round(env, agent, reset_seed, first_episode, slots, videos, video_dir, video_size, fps, bar):
+    task = getattr(env, "task", None)
+    has_success = bool(getattr(task, "has_success", True))
+    max_steps = getattr(env, "max_episode_steps", None) or getattr(task, "max_episode_steps", None)
+    num_envs = int(env.num_envs)
+    slots = num_envs if slots is None else slots
+    device = getattr(env, "device", "cpu")
+
+    torch.manual_seed(reset_seed)
+    seed_agent(agent, reset_seed)
+    obs, _ = env.reset(seed=reset_seed)
+    agent.reset(torch.ones(num_envs, dtype=torch.bool, device=device))
+
+    running = torch.arange(num_envs) < slots  # counted episodes not finished yet
+    episode_return = torch.zeros(num_envs, dtype=torch.float64)
+    max_reward = torch.full((num_envs,), -math.inf, dtype=torch.float64)
+    length = torch.zeros(num_envs, dtype=torch.int64)
+    success = torch.zeros(num_envs, dtype=torch.bool)
+    records: dict[int, dict[str, Any]] = {}
+    recorders = {i: EpisodeRecorder(video_size, fps) for i in range(min(videos, slots))}
+    if recorders:
+        ids = sorted(recorders)
+        for i, frame in zip(ids, _render(env, ids)):
+            recorders[i].add(frame, 0, None, 0.0)
+
+    round_steps = 0
+    while running.any():
+        action = agent.act(obs)
+        obs, reward, terminated, truncated, info = env.step(action)
+        round_steps += 1
+        reward = reward.detach().to("cpu", torch.float64)
+        done = (terminated | truncated).detach().cpu()
+        episode_return += torch.where(running, reward, 0.0)
+        max_reward = torch.where(running, torch.maximum(max_reward, reward), max_reward)
+        length += running.long()
+        if has_success:
+            success |= _step_success(info, num_envs) & running
+        ended = done & running
+
+        # A done env already shows its next episode (same-step auto-reset), so only envs still
+        # inside their counted episode are rendered.
+        live = [i for i in recorders if running[i] and not ended[i]]
+        if live:
+            for i, frame in zip(live, _render(env, live)):
+                recorders[i].add(frame, int(length[i]), float(reward[i]), float(episode_return[i]))
+
+        for i in ended.nonzero().flatten().tolist():
+            k = first_episode + i
+            outcome = bool(success[i]) if has_success else None
+            video = None
+            if i in recorders:
+                video = recorders.pop(i).finish(
+                    Path(video_dir) / f"episode_{k}.mp4", int(length[i]), float(reward[i]),
+                    float(episode_return[i]), outcome,
+                )
+            records[i] = {
+                "episode": k,
+                "seed": int(reset_seed),
+                "env_index": i,
+                "success": outcome,
+                "return": float(episode_return[i]),
+                "max_reward": float(max_reward[i]),
+                "length": int(length[i]),
+                "video": str(video) if video is not None else None,
+            }
+            if bar is not None:
+                bar.update(1)
+        running &= ~done
+        if done.any():
+            agent.reset(done.to(device))
+        if max_steps is not None and round_steps > max_steps and running.any():
+            raise RuntimeError(f"env did not end its episodes within max_episode_steps={max_steps}")
+    return [records[i] for i in range(slots)]
+
+
+def seed_agent(agent: Any, seed: int) -> None:
+    """Reseed an agent's own sampling RNG, if it has one: `agent.seed(seed)` when defined, else
+    an `agent.generator` torch.Generator (PolicyRunner keeps its noise generator there)."""
+    if callable(getattr(agent, "seed", None)):
+        agent.seed(seed)
+    elif isinstance(getattr(agent, "generator", None), torch.Generator):
+        agent.generator.manual_seed(seed)
 
 
 def _render(env: Any, env_ids: list[int]):

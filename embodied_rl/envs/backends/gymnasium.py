@@ -205,7 +205,9 @@ class GymnasiumEnv(BatchedEnv):
         obs_t = self._to_obs(obs, device="cpu")
         reward_t = torch.as_tensor(np.asarray(reward, dtype=np.float32))
         terminated_t = torch.as_tensor(np.asarray(terminated, dtype=bool))
-        truncated_t = torch.as_tensor(np.asarray(truncated, dtype=bool))
+        # gymnasium's TimeLimit flags both when an env terminates on its last step; the
+        # contract (as in the MuJoCo backends) is truncated = time limit and not terminated.
+        truncated_t = torch.as_tensor(np.asarray(truncated, dtype=bool)) & ~terminated_t
         done = terminated_t | truncated_t
 
         # For the envs that finished, gymnasium put the step's info under final_info and the
@@ -284,6 +286,11 @@ def make_env(task: str, num_envs: int, device: str | torch.device = "cpu", seed:
 
     if obs_mode != "state":
         raise UserError("the gymnasium backend supports obs_mode='state' only")
+    allowed = {"vector", "max_episode_steps", "render_mode", "flatten_obs", "env_kwargs"}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise UserError(f"unknown option(s) {unknown} for the gymnasium backend "
+                        f"(choose from: {', '.join(sorted(allowed))})")
     if task in registry.GYM_NAMES:
         import embodied_rl.envs.gym_env  # noqa: F401  (registers embodied_rl/<Name>-v0)
 

@@ -19,7 +19,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from embodied_rl.envs.api import SimState, Task, actuator_index, joint_qpos_slice, scale_action, sensor_slice
+from embodied_rl.envs.api import (
+    SimState,
+    Task,
+    actuator_index,
+    joint_qpos_slice,
+    scale_action,
+    sensor_slice,
+)
 
 # T geometry in the block frame (origin at the centre of area): (centre x, centre y, half x, half y)
 BAR = (0.0, 0.021429, 0.05, 0.0125)
@@ -53,7 +60,9 @@ def inside_t(points: Tensor) -> Tensor:
     """Whether points [..., 2] (block frame) lie in the T."""
     inside = torch.zeros(points.shape[:-1], dtype=torch.bool, device=points.device)
     for cx, cy, hx, hy in (BAR, STEM):
-        inside |= ((points[..., 0] - cx).abs() <= hx + 1e-6) & ((points[..., 1] - cy).abs() <= hy + 1e-6)
+        inside |= ((points[..., 0] - cx).abs() <= hx + 1e-6) & (
+            (points[..., 1] - cy).abs() <= hy + 1e-6
+        )
     return inside
 
 
@@ -61,7 +70,7 @@ class PushTTask(Task):
     name = "push_t"
     gym_id = "embodied_rl/PushT-v0"
     xml = "push_t.xml"
-    max_episode_steps = 300
+    max_episode_steps = 200
     control_substeps = 10
     obs_dim = 6
     action_dim = 2
@@ -114,7 +123,9 @@ class PushTTask(Task):
         return inside_t(local).float().mean(dim=1)
 
     # ---- Task API ----
-    def sample_init(self, n: int, generator: torch.Generator, device: torch.device | str) -> tuple[Tensor, Tensor]:
+    def sample_init(
+        self, n: int, generator: torch.Generator, device: torch.device | str
+    ) -> tuple[Tensor, Tensor]:
         block = torch.empty(n, 2)
         pusher = torch.empty(n, 2)
         todo = torch.ones(n, dtype=torch.bool)
@@ -133,7 +144,11 @@ class PushTTask(Task):
             todo[ids] = False
         yaw = (torch.rand(n, generator=generator) * 2 - 1) * math.pi
         qpos = torch.zeros(n, self.nq)
-        qpos[:, self.block_x], qpos[:, self.block_y], qpos[:, self.block_yaw] = block[:, 0], block[:, 1], yaw
+        qpos[:, self.block_x], qpos[:, self.block_y], qpos[:, self.block_yaw] = (
+            block[:, 0],
+            block[:, 1],
+            yaw,
+        )
         qpos[:, self.pusher_x], qpos[:, self.pusher_y] = pusher[:, 0], pusher[:, 1]
         return qpos.to(device), torch.zeros(n, self.nv, device=device)
 

@@ -1,0 +1,243 @@
+"""Env steps per second of each backend, beside two baselines measured in the same run.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/env_throughput.py
+    PYTHONPATH=. .venv/bin/python benchmarks/env_throughput.py --tasks push_t --ns 64 --seconds 3
+    PYTHONPATH=. .venv/bin/python benchmarks/env_throughput.py --device cuda   # Warp up to N=8192
+
+For every task and N it steps each backend with uniform random actions for `--seconds` of wall
+time and reports env steps/s (N x batched steps / s). Baselines:
+- raw: the physical limit here, a plain single-thread loop of mujoco.mj_step on the task's model
+  replaying the states and controls of a recorded random-action rollout: env steps/s =
+  mj_steps/s / control_substeps. The mujoco backend steps from one thread per core, so on more than one core
+  it can beat this number; that counts in its favour.
+- sync_vector_env: gymnasium's SyncVectorEnv over N copies of the registered single env
+  (gymnasium.make("embodied_rl/PushT-v0")), what a plain gymnasium user would run.
+mujoco_warp on Warp's CPU device is slow and is measured at N <= 16 only; with --device cuda it
+runs on the GPU at N up to 8192. The last line is one JSON object with the headline numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+DEFAULT_NS = (1, 16, 64, 256)
+CUDA_WARP_NS = (1, 16, 64, 256, 1024, 4096, 8192)
+WARP_CPU_MAX_N = 16
+BACKENDS = ("mujoco", "gymnasium", "mujoco_warp")
+
+
+def available_task(name: str) -> tuple[str, str]:
+    """(task to measure, note): a task that is not there yet falls back to reach."""
+    from embodied_rl.envs.registry import task_class
+    from embodied_rl.errors import UserError
+
+    try:
+        task_class(name)
+        return name, ""
+    except (UserError, ImportError, AttributeError):
+        return "reach", f"task '{name}' is not available yet: measured reach instead"
+
+
+def timed_loop(step, seconds: float, min_iters: int = 3) -> tuple[int, float]:
+    """Call step() until `seconds` have passed (at least min_iters times); (iterations, elapsed)."""
+    iters, start = 0, time.perf_counter()
+    while True:
+        step()
+        iters += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds and iters >= min_iters:
+            return iters, elapsed
+
+
+def raw_mj_step_rate(task_name: str, seconds: float, record_steps: int = 300) -> tuple[float, int]:
+    """(mj_steps per second of a single-thread mj_step loop, control_substeps).
+
+    The loop replays the states and controls of a recorded env rollout (random actions, with the
+    env's own resets), so that it simulates what the envs simulate: a fallen hopper or a block
+    pushed against a wall costs more contacts than a healthy episode. Each control step sets
+    qpos/qvel/ctrl from the recording and calls mj_step control_substeps times.
+    """
+    import mujoco
+
+    from embodied_rl.envs.registry import make
+
+    env = make(task_name, num_envs=1, backend="mujoco", seed=0, threads=1)
+    generator = torch.Generator().manual_seed(0)
+    env.reset(seed=0)
+    qpos, qvel, ctrl = [], [], []
+    for _ in range(record_steps):
+        qpos.append(env.state.qpos[0].clone().numpy())
+        qvel.append(env.state.qvel[0].clone().numpy())
+        env.step(torch.rand(1, env.action_dim, generator=generator) * 2 - 1)
+        ctrl.append(env.state.ctrl[0].clone().numpy())
+    model, substeps = env.model, int(env.task.control_substeps)
+    env.close()
+    data = mujoco.MjData(model)
+    counter = {"k": 0}
+
+    def control_step() -> None:  # one env step worth of physics
+        k = counter["k"] % record_steps
+        data.qpos[:] = qpos[k]
+        data.qvel[:] = qvel[k]
+        data.ctrl[:] = ctrl[k]
+        for _ in range(substeps):
+            mujoco.mj_step(model, data)
+        counter["k"] += 1
+
+    iters, elapsed = timed_loop(control_step, seconds)
+    return iters * substeps / elapsed, substeps
+
+
+def batched_rate(env: Any, seconds: float, action_dim: int) -> float:
+    """Env steps per second of a BatchedEnv stepped with random actions."""
+    generator = torch.Generator().manual_seed(0)
+    actions = (torch.rand(8, env.num_envs, action_dim, generator=generator) * 2 - 1).to(env.device)
+    env.reset(seed=0)
+    for k in range(2):  # warm-up (first-call allocations, Warp module loads)
+        env.step(actions[k])
+    counter = {"k": 0}
+
+    def step() -> None:
+        env.step(actions[counter["k"] % 8])
+        counter["k"] += 1
+
+    iters, elapsed = timed_loop(step, seconds)
+    return env.num_envs * iters / elapsed
+
+
+def sync_vector_env_rate(task_name: str, n: int, seconds: float) -> float:
+    """Env steps per second of gymnasium.vector.SyncVectorEnv over the registered single env."""
+    import gymnasium as gym
+
+    import embodied_rl.envs  # noqa: F401  (registers embodied_rl/<Name>-v0)
+    from embodied_rl.envs.registry import gym_id
+
+    vec = gym.vector.SyncVectorEnv([lambda: gym.make(gym_id(task_name))] * n)
+    rng = np.random.default_rng(0)
+    actions = rng.uniform(-1, 1, size=(8, *vec.action_space.shape)).astype(np.float32)
+    vec.reset(seed=0)
+    counter = {"k": 0}
+
+    def step() -> None:
+        vec.step(actions[counter["k"] % 8])
+        counter["k"] += 1
+
+    iters, elapsed = timed_loop(step, seconds)
+    vec.close()
+    return n * iters / elapsed
+
+
+def rate_of(rows: list[dict[str, Any]], task: str, backend: str, n: int) -> float | None:
+    match = [r["sps"] for r in rows if r["task"] == task and r["backend"] == backend and r["n"] == n]
+    return match[0] if match else None
+
+
+def make_env(task_name: str, backend: str, n: int, device: str):
+    from embodied_rl.envs.registry import make
+
+    sim_device = device if backend == "mujoco_warp" else "cpu"
+    return make(task_name, num_envs=n, backend=backend, device=sim_device, seed=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", default="push_t,hopper")
+    parser.add_argument("--ns", default=",".join(map(str, DEFAULT_NS)))
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--seconds", type=float, default=2.0, help="wall time per measurement")
+    parser.add_argument("--device", default="cpu", help="Warp device for mujoco_warp: cpu|cuda")
+    parser.add_argument("--no-baselines", action="store_true", help="skip raw and SyncVectorEnv")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    ns = [int(n) for n in args.ns.split(",")]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    load_start = os.getloadavg()
+    print(f"machine: {platform.processor() or platform.machine()}, "
+          f"{len(os.sched_getaffinity(0))} cores, load average at start {load_start[0]:.2f} "
+          f"(1 min) {load_start[1]:.2f} (5 min); {args.seconds:g} s per measurement")
+
+    rows: list[dict[str, Any]] = []
+    headline: dict[str, Any] = {}
+    measured: set[str] = set()
+    for requested in args.tasks.split(","):
+        task_name, note = available_task(requested.strip())
+        if note:
+            print(f"note: {note}")
+        if task_name in measured:
+            continue
+        measured.add(task_name)
+
+        raw = substeps = None
+        if not args.no_baselines:
+            raw, substeps = raw_mj_step_rate(task_name, args.seconds)
+            print(f"\n[{task_name}] raw mj_step: {raw:,.0f} mj_steps/s single thread, "
+                  f"control_substeps={substeps} -> {raw / substeps:,.0f} env steps/s")
+        warp_ns = CUDA_WARP_NS if args.device.startswith("cuda") else [
+            n for n in ns if n <= WARP_CPU_MAX_N]
+        for backend in backends:
+            for n in (warp_ns if backend == "mujoco_warp" else ns):
+                env = make_env(task_name, backend, n, args.device)
+                rate = batched_rate(env, args.seconds, env.action_dim)
+                env.close()
+                rows.append(dict(task=task_name, backend=backend, n=n, sps=rate))
+                print(f"  {backend:<16} N={n:<5} {rate:>12,.0f} env steps/s", flush=True)
+        if not args.no_baselines:
+            for n in ns:
+                rate = sync_vector_env_rate(task_name, n, args.seconds)
+                rows.append(dict(task=task_name, backend="sync_vector_env", n=n, sps=rate))
+                print(f"  {'sync_vector_env':<16} N={n:<5} {rate:>12,.0f} env steps/s", flush=True)
+
+        # readable table for the task: backends x N, with the ratios to the baselines
+        table_ns = sorted({r["n"] for r in rows if r["task"] == task_name})
+        print(f"\n{task_name}: env steps/s (ratio to raw mj_step / control_substeps)")
+        print(f"{'backend':<16}" + "".join(f"{'N=' + str(n):>20}" for n in table_ns))
+        raw_env = raw / substeps if raw else None
+        for backend in [*backends, "sync_vector_env"]:
+            cells = []
+            for n in table_ns:
+                rate = rate_of(rows, task_name, backend, n)
+                if rate is None:
+                    cells.append(f"{'-':>20}")
+                elif raw_env:
+                    cells.append(f"{rate:>12,.0f} ({rate / raw_env:4.2f})")
+                else:
+                    cells.append(f"{rate:>20,.0f}")
+            print(f"{backend:<16}" + "".join(cells))
+
+        mujoco64 = rate_of(rows, task_name, "mujoco", 64)
+        sync64 = rate_of(rows, task_name, "sync_vector_env", 64)
+        entry: dict[str, Any] = {"measured_task": task_name}
+        if mujoco64:
+            entry["mujoco_n64_sps"] = round(mujoco64)
+        if raw_env:
+            entry["raw_mj_step_env_sps"] = round(raw_env)
+            if mujoco64:
+                entry["mujoco_n64_over_raw"] = round(mujoco64 / raw_env, 3)
+        if mujoco64 and sync64:
+            entry["mujoco_n64_over_sync_vector_env"] = round(mujoco64 / sync64, 2)
+        warp_rates = [(r["n"], r["sps"]) for r in rows
+                      if r["task"] == task_name and r["backend"] == "mujoco_warp"]
+        if warp_rates:
+            entry["mujoco_warp_best"] = {"n": max(warp_rates, key=lambda x: x[1])[0],
+                                         "sps": round(max(x[1] for x in warp_rates)),
+                                         "device": args.device}
+        headline[requested.strip()] = entry
+
+    load_end = os.getloadavg()
+    print(f"\nload average at end {load_end[0]:.2f} (1 min)")
+    headline["load_avg_1min"] = [round(load_start[0], 2), round(load_end[0], 2)]
+    headline["cores"] = len(os.sched_getaffinity(0))
+    print(json.dumps(headline))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""The Actor contract: what RL trains, wrapped around a (frozen) ChunkPolicy.
+
+    out = actor.act(obs, deterministic=False)   # out.actions, out.logprob, out.value, out.stash
+    logprob, entropy = actor.evaluate(obs, out.stash)   # recomputes the likelihood of the sample
+
+- A *per-step* actor (`chunked = False`, the residual actor) takes obs [N, D] and returns
+  actions [N, A]: one MDP step is one env step.
+- A *chunk* actor (`chunked = True`: DPPO, Flow-Noise/ReinFlow, Flow-SDE) takes the obs history
+  [N, n_obs_steps, D] and returns the executed part of a chunk [N, n_action_steps, A]: one MDP
+  step is one chunk (rewards summed over the executed steps, envs.step_chunk).
+- `logprob` and `entropy` are [N, L]: L likelihood positions per MDP step (1 for most actors,
+  the number of fine-tuned denoising steps for DPPO). PPO clips each column with
+  `clip_coefs(clip)[l]` and weights its advantage by `advantage_weights[l]`.
+- `stash` is a dict of tensors with leading N: everything `evaluate` needs (the sampled chain,
+  the chosen step, the base action), so `evaluate(obs, act(obs).stash)` gives back exactly
+  `act`'s logprob: the importance ratio is 1 before the first update.
+- The critic (`get_value(obs [N, D]) -> [N]`) sees the latest env observation.
+- `base_kl(obs, stash) -> [N]`: a regulariser toward the base policy (0 when the actor equals it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class ActorOutput:
+    actions: Tensor  # [N, A] (per-step actor) or [N, n_action_steps, A] (chunk actor), in [-1, 1]
+    logprob: Tensor  # [N, L]
+    value: Tensor  # [N]
+    stash: dict[str, Tensor] = field(default_factory=dict)
+
+
+def mlp(in_dim: int, out_dim: int, hidden: int = 256, layers: int = 2, act=nn.Tanh) -> nn.Sequential:
+    dims = [in_dim] + [hidden] * layers
+    modules: list[nn.Module] = []
+    for a, b in zip(dims[:-1], dims[1:]):
+        modules += [nn.Linear(a, b), act()]
+    modules.append(nn.Linear(dims[-1], out_dim))
+    return nn.Sequential(*modules)
+
+
+class Critic(nn.Module):
+    """V(obs) on the env observation [N, D], normalised with the base policy's obs statistics."""
+
+    def __init__(self, policy: nn.Module, hidden: int = 256, layers: int = 2):
+        super().__init__()
+        self._normalize = policy.normalizer.normalize  # a bound method: not a submodule
+        self.net = mlp(policy.obs_dim, 1, hidden, layers)
+
+    def forward(self, obs: Tensor) -> Tensor:
+        return self.net(self._normalize("obs", obs.float())).squeeze(-1)
+
+
+def gaussian_logprob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """Elementwise log N(x; mean, std^2)."""
+    var = std**2
+    return -((x - mean) ** 2) / (2 * var) - std.log() - 0.5 * torch.log(torch.tensor(2 * torch.pi))
+
+
+def gaussian_entropy(std: Tensor) -> Tensor:
+    """Elementwise entropy of N(., std^2)."""
+    return 0.5 + 0.5 * torch.log(torch.tensor(2 * torch.pi)) + std.log()
+
+
+class Actor(nn.Module):
+    """Base class; see the module docstring for the contract."""
+
+    kind: str = ""
+    chunked: bool = False
+    n_obs_steps: int = 1
+    n_action_steps: int = 1
+    num_logprob_positions: int = 1
+
+    def act(self, obs: Tensor, deterministic: bool = False) -> ActorOutput:
+        raise NotImplementedError
+
+    def evaluate(self, obs: Tensor, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def get_value(self, obs: Tensor) -> Tensor:
+        return self.critic(obs)
+
+    def latest_obs(self, obs: Tensor) -> Tensor:
+        """The env observation [N, D] inside what `act` takes."""
+        return obs[:, -1] if self.chunked else obs
+
+    def reset(self, mask: Tensor) -> None:
+        """Forget per-env state where mask is set (the residual actor's base-policy queue)."""
+
+    def for_eval(self, num_envs: int) -> Actor:
+        """This actor for an eval env of `num_envs` copies (same weights, own per-env state)."""
+        return self
+
+    def base_kl(self, obs: Tensor, stash: dict[str, Tensor]) -> Tensor:
+        return torch.zeros(obs.shape[0], device=obs.device)
+
+    def clip_coefs(self, clip: float) -> list[float]:
+        return [clip] * self.num_logprob_positions
+
+    def advantage_weights(self) -> Tensor:
+        return torch.ones(self.num_logprob_positions)
+
+    def actor_parameters(self) -> list[nn.Parameter]:
+        return [p for name, p in self.named_parameters() if p.requires_grad and not name.startswith("critic.")]
+
+    def critic_parameters(self) -> list[nn.Parameter]:
+        return list(self.critic.parameters())
+
+    def config(self) -> dict[str, Any]:
+        """Constructor keyword arguments (JSON) written to agent.json."""
+        return dict(self._config)
+
+    def save(self, directory: Path) -> None:
+        """Write agent.json, base_policy/ and actor.safetensors (docs/finetuning.md)."""
+        from embodied_rl.actors import save_actor
+
+        save_actor(self, directory)
+
+
+class ObsHistory:
+    """The last `n_steps` observations per env, [N, n_steps, D]; a reset row repeats its first obs
+    (what PolicyRunner does at an episode start)."""
+
+    def __init__(self, n_steps: int):
+        self.n_steps = n_steps
+        self.buffer: Tensor | None = None
+
+    def reset(self, obs: Tensor, mask: Tensor | None = None) -> Tensor:
+        fresh = obs[:, None].expand(-1, self.n_steps, -1).clone()
+        if self.buffer is None or mask is None:
+            self.buffer = fresh
+        else:
+            self.buffer[mask] = fresh[mask]
+        return self.buffer
+
+    def push(self, obs: Tensor, new_episode: Tensor | None = None) -> Tensor:
+        if self.buffer is None:
+            return self.reset(obs)
+        self.buffer = torch.cat([self.buffer[:, 1:], obs[:, None]], dim=1)
+        if new_episode is not None and bool(new_episode.any()):
+            self.reset(obs, new_episode)
+        return self.buffer
+
+
+class HistoryEnv:
+    """Wraps a BatchedEnv so that `envs.step_chunk` feeds every per-step observation into an
+    ObsHistory (auto-reset rows and envs reset again at the chunk's end restart their history)."""
+
+    def __init__(self, env: Any, history: ObsHistory):
+        self.env = env
+        self.history = history
+        self.num_envs = env.num_envs
+        self.device = env.device
+        self.action_dim = env.action_dim
+
+    def step(self, action: Tensor):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self.history.push(obs, terminated | truncated)
+        return obs, reward, terminated, truncated, info
+
+    def reset(self, seed=None, env_ids=None, group_size=None):
+        obs, info = self.env.reset(seed=seed, env_ids=env_ids, group_size=group_size)
+        if env_ids is None:
+            self.history.reset(obs)
+        else:
+            mask = torch.zeros(self.num_envs, dtype=torch.bool, device=obs.device)
+            mask[torch.as_tensor(env_ids, device=obs.device)] = True
+            self.history.reset(obs, mask)
+        return obs, info
+
+
+class ActorAgent:
+    """An Actor as an evaluation agent (`reset(mask)` / `act(obs) -> [N, A]`), deterministic by
+    default: chunk actors keep an obs history and a queue of executed actions per env."""
+
+    def __init__(self, actor: Actor, num_envs: int, deterministic: bool = True):
+        self.actor = actor
+        self.num_envs = num_envs
+        self.deterministic = deterministic
+        self.history = ObsHistory(actor.n_obs_steps)
+        self.queue: Tensor | None = None  # [N, n_action_steps, A]
+        self.queue_pos = torch.full((num_envs,), actor.n_action_steps, dtype=torch.long)
+        self.needs_reset = torch.ones(num_envs, dtype=torch.bool)
+
+    def reset(self, mask: Tensor) -> None:
+        mask = mask.cpu().bool()
+        self.needs_reset |= mask
+        self.queue_pos[mask] = self.actor.n_action_steps
+        self.actor.reset(mask)
+
+    @torch.no_grad()
+    def act(self, obs: Tensor) -> Tensor:
+        if not self.actor.chunked:
+            return self.actor.act(obs, deterministic=self.deterministic).actions
+        reset = self.needs_reset.to(obs.device)
+        if self.history.buffer is None:
+            history = self.history.reset(obs)
+        else:
+            history = self.history.push(obs, reset)
+        self.needs_reset[:] = False
+        replan = self.queue_pos >= self.actor.n_action_steps
+        if bool(replan.any()):
+            chunk = self.actor.act(history, deterministic=self.deterministic).actions
+            if self.queue is None:
+                self.queue = chunk.clone()
+            else:
+                self.queue[replan.to(chunk.device)] = chunk[replan.to(chunk.device)]
+            self.queue_pos[replan] = 0
+        index = self.queue_pos.to(self.queue.device)
+        action = self.queue[torch.arange(self.num_envs, device=self.queue.device), index]
+        self.queue_pos += 1
+        return action
+
+
+class ChainActor(Actor):
+    """Shared by the actors that make the policy's own denoising / integration chain stochastic
+    (DPPO, Flow-Noise, Flow-SDE). Holds the frozen base policy and a trainable copy `ft` whose
+    network (`ft.net`) RL updates; the obs encoder and normaliser stay frozen. The chain runs in
+    the normalised action space; only the executed part of the chunk (indices
+    n_obs_steps - 1 ... n_obs_steps - 1 + n_action_steps, as PolicyRunner executes it) enters
+    the likelihood and the env.
+    """
+
+    chunked = True
+
+    def __init__(self, policy, critic_hidden: int = 256):
+        super().__init__()
+        import copy
+
+        self.policy = policy.eval().requires_grad_(False)
+        self.ft = copy.deepcopy(self.policy)
+        self.ft.net.requires_grad_(True)
+        self.n_obs_steps = policy.n_obs_steps
+        self.n_action_steps = policy.n_action_steps
+        self.num_steps = policy.num_inference_steps
+        self.executed = slice(policy.n_obs_steps - 1, policy.n_obs_steps - 1 + policy.n_action_steps)
+        self.critic = Critic(policy, critic_hidden)
+
+    @torch.no_grad()
+    def encode(self, obs: Tensor) -> Tensor:
+        return self.policy.encode_obs(obs)
+
+    def to_actions(self, x: Tensor) -> Tensor:
+        """Normalised chunk [N, H, A] -> executed env actions [N, n_action_steps, A]."""
+        return self.policy.unnormalize_action(x)[:, self.executed].clamp(-1.0, 1.0)
+
+    def chunk_mean(self, values: Tensor) -> Tensor:
+        """Mean over the executed chunk entries: [N, H, A] -> [N]."""
+        return values[:, self.executed].flatten(1).mean(-1)
+
+    def actor_parameters(self) -> list[nn.Parameter]:
+        return [p for name, p in self.named_parameters()
+                if p.requires_grad and not name.startswith(("critic.", "policy."))]

@@ -1,0 +1,389 @@
+"""Latent-noise actors (DSRL): RL steers a frozen diffusion / flow policy through its initial noise.
+
+The base policy's deterministic sampler (DDIM eta=0 or the flow ODE) maps a noise w [H, A] and an
+observation history to an action chunk. DSRL treats w as the action of a new MDP:
+
+    LatentNoiseVecEnv   a Stable-Baselines3 VecEnv over a BatchedEnv whose action space is the
+                        noise box [-m, m]^(H*A). One VecEnv step = one call of predict_chunk (the
+                        sampler runs exactly once per step) + step_chunk of the chunk's first
+                        n_action_steps actions, with the rewards summed.
+    LayerNormSACPolicy  SB3's SACPolicy with LayerNorm after every hidden Linear.
+    NoiseActorAgent     the trained noise actor + base policy as an evaluation agent
+                        (reset(mask) / act(obs)), and `save_noise_actor` / `load_agent` for its
+                        checkpoint (agent.json + actor.safetensors + base_policy/).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gymnasium
+import numpy as np
+import torch
+from stable_baselines3.common.torch_layers import create_mlp
+from stable_baselines3.common.vec_env import VecEnv
+from stable_baselines3.sac.policies import SACPolicy
+from torch import Tensor, nn
+
+from embodied_rl.errors import UserError
+
+AGENT_KIND = "dsrl"
+LOADER = "embodied_rl.actors.latent_noise:load_agent"
+
+
+# --------------------------------------------------------------------------------------------
+# Observation history of a base policy, per env
+# --------------------------------------------------------------------------------------------
+
+
+class ObsHistory:
+    """The last `n_obs_steps` observations of each env, [N, To, D]. A reset env's history is its
+    first observation repeated (what a policy trained on episode windows saw at t=0)."""
+
+    def __init__(self, n_obs_steps: int):
+        self.n_obs_steps = int(n_obs_steps)
+        self.buffer: Tensor | None = None
+
+    def reset(self, obs: Tensor, mask: Tensor | None = None) -> None:
+        fresh = obs.unsqueeze(1).repeat(1, self.n_obs_steps, 1)
+        if self.buffer is None or mask is None:
+            self.buffer = fresh.clone()
+        else:
+            self.buffer[mask] = fresh[mask]
+
+    def push(self, obs: Tensor) -> None:
+        self.buffer = torch.cat([self.buffer[:, 1:], obs.unsqueeze(1)], dim=1)
+
+    def get(self) -> Tensor:
+        return self.buffer.clone()
+
+
+class _RecordObs:
+    """Wraps a BatchedEnv to record every observation `step` returns (step_chunk only returns
+    the last one; a base policy with n_obs_steps > 1 needs the ones before it)."""
+
+    def __init__(self, env: Any):
+        self._env = env
+        self.observations: list[Tensor] = []
+
+    def step(self, action: Tensor):
+        out = self._env.step(action)
+        self.observations.append(out[0])
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env, name)
+
+
+def executable(policy: Any, chunk: Tensor) -> Tensor:
+    """The actions of a chunk that are executed: n_action_steps of them from index
+    n_obs_steps - 1 (the chunk starts at the oldest observation of the history)."""
+    start = int(policy.n_obs_steps) - 1
+    return chunk[:, start : start + int(policy.n_action_steps)]
+
+
+def state_obs(obs: Any) -> Tensor:
+    if isinstance(obs, dict):
+        raise UserError("latent-noise and residual off-policy actors support state observations only (obs_mode=state)")
+    return obs.float()
+
+
+# --------------------------------------------------------------------------------------------
+# The noise-space VecEnv
+# --------------------------------------------------------------------------------------------
+
+
+class LatentNoiseVecEnv(VecEnv):
+    """Stable-Baselines3 VecEnv view of a BatchedEnv + frozen ChunkPolicy; actions are noises.
+
+    action: float32 [N, H*A] in [-noise_bound, noise_bound] (clipped), reshaped to the policy's
+    noise_shape (H, A). observation: the env's state observation [N, D] (the base policy's obs
+    history is kept here and reset per env when its episode ends). reward: the sum over the
+    executed part of the chunk (step_chunk). An env that finishes mid-chunk reports done with
+    `terminal_observation` and `TimeLimit.truncated` (SB3 semantics) and starts a fresh episode.
+
+    Counters: `env_steps` (simulator steps taken, all envs), `sampler_calls` (predict_chunk
+    calls). info of every env holds "executed_chunk" [Ha*A], "base_history" [To*D] (the history
+    the chunk was sampled from) and "next_base_history" (the history after the chunk, with the
+    terminal observation for a finished env) so that DSRL-NA can re-run the base policy.
+    """
+
+    def __init__(self, env: Any, policy: Any, noise_bound: float = 1.5, seed: int | None = None):
+        if noise_bound <= 0:
+            raise UserError(f"noise_bound must be > 0, got {noise_bound}")
+        self.env = env
+        self.policy = policy
+        self.noise_bound = float(noise_bound)
+        self.noise_shape = tuple(int(s) for s in policy.noise_shape)
+        self.n_action_steps = int(policy.n_action_steps)
+        self.history = ObsHistory(int(policy.n_obs_steps))
+        self.env_steps = 0
+        self.sampler_calls = 0
+        self.episode_returns: list[float] = []
+        self.episode_successes: list[bool] = []
+        self._seed = seed
+        self._actions: np.ndarray | None = None
+        self._obs: Tensor | None = None
+        obs_space = env.single_observation_space
+        if not isinstance(obs_space, gymnasium.spaces.Box):
+            raise UserError("DSRL needs a state observation (obs_mode=state)")
+        flat = int(np.prod(self.noise_shape))
+        action_space = gymnasium.spaces.Box(-self.noise_bound, self.noise_bound, (flat,), np.float32)
+        observation_space = gymnasium.spaces.Box(-np.inf, np.inf, obs_space.shape, np.float32)
+        self.render_mode = None
+        super().__init__(int(env.num_envs), observation_space, action_space)
+
+    # ---- SB3 VecEnv API ----
+    def reset(self) -> np.ndarray:
+        seed = self._seeds[0] if self._seeds[0] is not None else self._seed
+        self._seed = None  # seed only the first reset: later resets continue the env's generator
+        obs, _ = self.env.reset(seed=seed)
+        self._obs = state_obs(obs)
+        self.history.reset(self._obs)
+        self._reset_seeds()
+        return self._obs.cpu().numpy()
+
+    def step_async(self, actions: np.ndarray) -> None:
+        self._actions = actions
+
+    @torch.no_grad()
+    def step_wait(self):
+        from embodied_rl.envs.api import step_chunk
+
+        device = self._obs.device
+        noise = torch.as_tensor(np.asarray(self._actions), dtype=torch.float32, device=device)
+        noise = noise.reshape(self.num_envs, *self.noise_shape).clamp(-self.noise_bound, self.noise_bound)
+        base_history = self.history.get()
+        chunk = self.policy.predict_chunk(base_history, noise=noise)
+        self.sampler_calls += 1
+        executed = executable(self.policy, chunk).to(device=device, dtype=torch.float32)
+
+        recorder = _RecordObs(self.env)
+        obs, reward, terminated, truncated, info = step_chunk(recorder, executed)
+        obs = state_obs(obs)
+        self.env_steps += len(recorder.observations) * self.num_envs
+        done = terminated | truncated
+        final_obs = state_obs(info["final_obs"])
+        # history after the chunk: for live envs the last To observations, for finished ones the
+        # terminal observation (what a bootstrap from the terminal state must see)
+        after = torch.cat([base_history, torch.stack([state_obs(o) for o in recorder.observations], dim=1)], dim=1)
+        next_history = after[:, -self.history.n_obs_steps :].clone()
+        next_history[done, -1] = final_obs[done]
+        self.history.buffer = after[:, -self.history.n_obs_steps :].clone()
+        self.history.reset(obs, done)
+        self._obs = obs
+
+        success = info["success"]
+        episode = info.get("episode", {})
+        infos: list[dict[str, Any]] = []
+        executed_flat = executed.reshape(self.num_envs, -1).cpu().numpy()
+        base_flat = base_history.reshape(self.num_envs, -1).cpu().numpy()
+        next_flat = next_history.reshape(self.num_envs, -1).cpu().numpy()
+        done_np = done.cpu().numpy()
+        for i in range(self.num_envs):
+            item: dict[str, Any] = {
+                "executed_chunk": executed_flat[i],
+                "base_history": base_flat[i],
+                "next_base_history": next_flat[i],
+                "success": bool(success[i]),
+            }
+            if done_np[i]:
+                item["terminal_observation"] = final_obs[i].cpu().numpy()
+                item["TimeLimit.truncated"] = bool(truncated[i]) and not bool(terminated[i])
+                if "return" in episode:
+                    item["episode"] = {"r": float(episode["return"][i]), "l": int(episode["length"][i])}
+                    self.episode_returns.append(float(episode["return"][i]))
+                    self.episode_successes.append(bool(episode["success_once"][i]))
+            infos.append(item)
+        return obs.cpu().numpy(), reward.float().cpu().numpy(), done_np, infos
+
+    def close(self) -> None:
+        pass
+
+    def get_attr(self, attr_name: str, indices=None) -> list[Any]:
+        return [getattr(self, attr_name, None)] * len(self._get_indices(indices))
+
+    def set_attr(self, attr_name: str, value: Any, indices=None) -> None:
+        setattr(self, attr_name, value)
+
+    def env_method(self, method_name: str, *method_args, indices=None, **method_kwargs) -> list[Any]:
+        raise NotImplementedError("LatentNoiseVecEnv has no per-env methods")
+
+    def env_is_wrapped(self, wrapper_class, indices=None) -> list[bool]:
+        return [False] * len(self._get_indices(indices))
+
+    def _get_indices(self, indices) -> list[int]:
+        if indices is None:
+            return list(range(self.num_envs))
+        if isinstance(indices, int):
+            return [indices]
+        return list(indices)
+
+
+# --------------------------------------------------------------------------------------------
+# LayerNorm MLPs for SB3's SAC
+# --------------------------------------------------------------------------------------------
+
+
+def layer_norm_mlp(input_dim: int, output_dim: int, net_arch: list[int], activation_fn: type[nn.Module]) -> nn.Sequential:
+    """Linear -> LayerNorm -> activation per hidden layer (output layer plain when output_dim > 0)."""
+    return nn.Sequential(*create_mlp(input_dim, output_dim, net_arch, activation_fn, post_linear_modules=[nn.LayerNorm]))
+
+
+class LayerNormSACPolicy(SACPolicy):
+    """SB3's SACPolicy with LayerNorm after each hidden Linear of the actor and the critics.
+
+    SB3's create_mlp takes post_linear_modules but SACPolicy does not pass them through, so the
+    actor trunk and the Q networks are rebuilt here (same sizes, same activation)."""
+
+    def make_actor(self, features_extractor=None):
+        actor = super().make_actor(features_extractor)
+        actor.latent_pi = layer_norm_mlp(actor.features_dim, -1, actor.net_arch, actor.activation_fn).to(self.device)
+        return actor
+
+    def make_critic(self, features_extractor=None):
+        critic = super().make_critic(features_extractor)
+        input_dim = critic.q_networks[0][0].in_features  # features + action
+        critic.q_networks = []
+        for index in range(critic.n_critics):
+            q_net = layer_norm_mlp(input_dim, 1, self.critic_kwargs["net_arch"], self.net_args["activation_fn"])
+            setattr(critic, f"qf{index}", q_net.to(self.device))
+            critic.q_networks.append(getattr(critic, f"qf{index}"))
+        return critic
+
+
+def make_noise_critic(obs_dim: int, action_dim: int, net_arch: list[int], n_critics: int) -> nn.ModuleList:
+    """An ensemble of LayerNorm Q networks Q(s, x) (DSRL-NA's action-space critic)."""
+    return nn.ModuleList(layer_norm_mlp(obs_dim + action_dim, 1, list(net_arch), nn.ReLU) for _ in range(n_critics))
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluation agent and checkpoint
+# --------------------------------------------------------------------------------------------
+
+
+class NoiseActorAgent:
+    """Noise actor + frozen base policy as an agent: `reset(mask)`, `act(obs) -> [N, A]`.
+
+    Per env: an obs history and a queue of n_action_steps actions; an env whose queue is empty
+    draws its noise from the actor (its mean, squashed and scaled to [-m, m]) and samples one
+    chunk with the base policy. Both are forgotten on reset.
+    """
+
+    def __init__(self, actor: nn.Module, policy: Any, num_envs: int, noise_bound: float, deterministic: bool = True):
+        self.actor = actor
+        self.policy = policy
+        self.num_envs = int(num_envs)
+        self.noise_bound = float(noise_bound)
+        self.deterministic = deterministic
+        self.noise_shape = tuple(int(s) for s in policy.noise_shape)
+        self.n_action_steps = int(policy.n_action_steps)
+        self.history = ObsHistory(int(policy.n_obs_steps))
+        self.queue: Tensor | None = None
+        self.queue_index = torch.full((self.num_envs,), self.n_action_steps, dtype=torch.long)
+        self._fresh = torch.ones(self.num_envs, dtype=torch.bool)
+
+    def reset(self, mask: Tensor) -> None:
+        mask = torch.as_tensor(mask, dtype=torch.bool).cpu()
+        self.queue_index[mask] = self.n_action_steps
+        self._fresh |= mask
+
+    @torch.no_grad()
+    def noise(self, obs: Tensor) -> Tensor:
+        actor_device = next(self.actor.parameters()).device
+        squashed = self.actor(obs.to(actor_device), deterministic=self.deterministic)
+        return squashed.to(obs.device).reshape(len(obs), *self.noise_shape).clamp(-self.noise_bound, self.noise_bound)
+
+    @torch.no_grad()
+    def act(self, obs: Any) -> Tensor:
+        obs = state_obs(obs)
+        fresh = self._fresh.to(obs.device)
+        if self.history.buffer is None:
+            self.history.reset(obs)
+        else:
+            self.history.push(obs)
+            self.history.reset(obs, fresh)
+        self._fresh[:] = False
+        replan = (self.queue_index >= self.n_action_steps).to(obs.device)
+        if bool(replan.any()):
+            ids = torch.nonzero(replan).flatten()
+            chunk = self.policy.predict_chunk(self.history.get()[ids], noise=self.noise(obs[ids]))
+            chunk = executable(self.policy, chunk).to(device=obs.device, dtype=torch.float32)
+            if self.queue is None:
+                self.queue = torch.zeros(self.num_envs, self.n_action_steps, chunk.shape[-1], device=obs.device)
+            self.queue[ids] = chunk
+            self.queue_index[ids.cpu()] = 0
+        index = self.queue_index.to(obs.device)
+        action = self.queue[torch.arange(self.num_envs, device=obs.device), index]
+        self.queue_index += 1
+        return action
+
+
+class _ScaledActor(nn.Module):
+    """SB3's SAC actor with its [-1, 1] output scaled to the noise box."""
+
+    def __init__(self, sb3_actor: nn.Module, noise_bound: float):
+        super().__init__()
+        self.sb3_actor = sb3_actor
+        self.noise_bound = noise_bound
+
+    def forward(self, obs: Tensor, deterministic: bool = True) -> Tensor:
+        return self.sb3_actor(obs, deterministic=deterministic) * self.noise_bound
+
+
+def make_sb3_policy(obs_dim: int, noise_dim: int, noise_bound: float, net_arch: list[int], n_critics: int = 2) -> LayerNormSACPolicy:
+    observation_space = gymnasium.spaces.Box(-np.inf, np.inf, (obs_dim,), np.float32)
+    action_space = gymnasium.spaces.Box(-noise_bound, noise_bound, (noise_dim,), np.float32)
+    return LayerNormSACPolicy(
+        observation_space, action_space, lr_schedule=lambda _: 3e-4, net_arch=list(net_arch), n_critics=n_critics
+    )
+
+
+def save_noise_actor(path: str | Path, sb3_policy: SACPolicy, base_policy: Any, config: dict[str, Any]) -> None:
+    """Write agent.json, actor.safetensors (the whole SB3 policy: actor and critics) and base_policy/."""
+    from safetensors.torch import save_file
+
+    from embodied_rl.policies import save_policy
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {key: value.detach().cpu().contiguous() for key, value in sb3_policy.state_dict().items()}
+    save_file(state, str(path / "actor.safetensors"))
+    save_policy(base_policy, path / "base_policy")
+    agent = {"loader": LOADER, "kind": AGENT_KIND, **config}
+    (path / "agent.json").write_text(json.dumps(agent, indent=2) + "\n")
+
+
+def read_agent_json(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        return json.loads((path / "agent.json").read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise UserError(f"checkpoint '{path}': cannot read agent.json ({error})") from None
+
+
+def load_sb3_policy(path: str | Path, config: dict[str, Any], device: str | torch.device = "cpu") -> LayerNormSACPolicy:
+    from safetensors.torch import load_file
+
+    sb3_policy = make_sb3_policy(
+        config["obs_dim"], int(np.prod(config["noise_shape"])), config["noise_bound"], config["net_arch"], config["n_critics"]
+    )
+    try:
+        state = load_file(str(Path(path) / "actor.safetensors"))
+        sb3_policy.load_state_dict(state)
+    except Exception as error:  # corrupt or mismatched weights: one line, nothing changed
+        raise UserError(f"checkpoint '{path}': cannot load actor.safetensors ({error})") from None
+    return sb3_policy.to(device).eval()
+
+
+def load_agent(path: str | Path, num_envs: int, device: str | torch.device = "cpu") -> NoiseActorAgent:
+    """The `agent.json` loader of DSRL / DSRL-NA checkpoints (see docs/finetuning.md)."""
+    from embodied_rl.policies import load_policy
+
+    config = read_agent_json(path)
+    sb3_policy = load_sb3_policy(path, config, device)
+    base_policy = load_policy(Path(path) / "base_policy", device=device)
+    base_policy.eval()
+    return NoiseActorAgent(_ScaledActor(sb3_policy.actor, config["noise_bound"]), base_policy, num_envs, config["noise_bound"])

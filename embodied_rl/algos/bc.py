@@ -1,0 +1,181 @@
+"""Behaviour cloning of a ChunkPolicy: AdamW, cosine LR with warm-up, EMA weights.
+
+    result = train_bc(policy, windows, BCConfig(steps=2000), run=run,
+                      evaluate_fn=lambda policy, step: {...}, checkpoint_fn=save_every_time)
+
+The loop samples a batch of windows, takes one gradient step on `policy.bc_loss`, updates the EMA
+copy (the weights used for evaluation and saved in checkpoints), logs loss and lr every
+`log_every` steps, and calls `evaluate_fn` / `checkpoint_fn` with the EMA policy every
+`eval_every` steps and once at the end (`checkpoint_fn(ema_policy, policy, optimizer, step)`;
+`save_checkpoint` writes one).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from embodied_rl.data.windows import ChunkWindows
+from embodied_rl.policies.base import ChunkPolicy
+from embodied_rl.policies.checkpoint import write_policy_files
+from embodied_rl.runs import Run, atomic_dir, progress
+
+
+@dataclass
+class BCConfig:
+    steps: int = 2000
+    batch_size: int = 256
+    lr: float = 1e-4
+    weight_decay: float = 1e-6
+    betas: tuple[float, float] = (0.95, 0.999)
+    warmup_steps: int = 100
+    grad_clip: float = 1.0
+    ema_power: float = 0.75
+    ema_max_decay: float = 0.9999
+    log_every: int = 50
+    eval_every: int | None = None
+    seed: int = 0
+
+
+class EMA:
+    """Exponential moving average of a model's weights with diffusion_policy's warm-up schedule:
+    decay = 1 - (1 + step) ** -power, capped at max_decay (early steps follow the model closely)."""
+
+    def __init__(self, model: nn.Module, power: float = 0.75, max_decay: float = 0.9999):
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.power, self.max_decay = power, max_decay
+        self.step = 0
+
+    def decay(self) -> float:
+        return min(self.max_decay, 1.0 - (1.0 + self.step) ** -self.power)
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        decay = self.decay()
+        for ema_param, param in zip(self.model.parameters(), model.parameters()):
+            ema_param.lerp_(param.detach(), 1.0 - decay)
+        for ema_buffer, buffer in zip(self.model.buffers(), model.buffers()):
+            ema_buffer.copy_(buffer)
+        self.step += 1
+
+
+def cosine_with_warmup(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress_frac = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress_frac)))
+
+    return factor
+
+
+def write_training_state(
+    directory: str | Path, policy: ChunkPolicy, optimizer: torch.optim.Optimizer, step: int
+) -> None:
+    """Raw (non-EMA) weights, AdamW moments and the step: safetensors + JSON, no pickles."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    optimizer_state = optimizer.state_dict()
+    tensors = {f"state.{index}.{name}": value.detach().cpu().contiguous()
+               for index, entries in optimizer_state["state"].items()
+               for name, value in entries.items() if torch.is_tensor(value)}
+    save_file({k: v.detach().cpu().contiguous() for k, v in policy.state_dict().items()},
+              str(directory / "model.safetensors"))
+    save_file(tensors, str(directory / "optimizer.safetensors"))
+    (directory / "state.json").write_text(
+        json.dumps({"step": step, "param_groups": optimizer_state["param_groups"]}, indent=2) + "\n"
+    )
+
+
+def save_checkpoint(
+    path: str | Path,
+    ema_policy: ChunkPolicy,
+    policy: ChunkPolicy,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """A checkpoint directory, written atomically: the EMA policy (load it with load_policy)
+    plus training_state/ (raw weights, optimiser, step)."""
+    with atomic_dir(path) as tmp:
+        write_policy_files(ema_policy, tmp, {"step": step, **(extra or {})})
+        write_training_state(tmp / "training_state", policy, optimizer, step)
+    return Path(path)
+
+
+def train_bc(
+    policy: ChunkPolicy,
+    windows: ChunkWindows,
+    config: BCConfig,
+    run: Run | None = None,
+    evaluate_fn: Callable[[ChunkPolicy, int], dict[str, Any]] | None = None,
+    checkpoint_fn: Callable[[ChunkPolicy, ChunkPolicy, torch.optim.Optimizer, int], None] | None = None,
+) -> dict[str, Any]:
+    """Train `policy` in place; returns {"ema_policy", "final_loss", "losses", "evals", "train_s"}."""
+    torch.manual_seed(config.seed)
+    generator = torch.Generator().manual_seed(config.seed)
+    optimizer = torch.optim.AdamW(
+        policy.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+    )
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, cosine_with_warmup(config.warmup_steps, config.steps)
+    )
+    ema = EMA(policy, power=config.ema_power, max_decay=config.ema_max_decay)
+    losses: list[tuple[int, float]] = []
+    evals: list[tuple[int, dict[str, Any]]] = []
+    running_loss, running_count = 0.0, 0
+    start = time.perf_counter()
+
+    def evaluate_and_save(step: int) -> None:
+        if evaluate_fn is not None:
+            metrics = evaluate_fn(ema.model, step)
+            evals.append((step, metrics))
+            if run is not None and metrics:
+                run.log(step, {f"eval/{k}": v for k, v in metrics.items()})
+        if checkpoint_fn is not None:
+            checkpoint_fn(ema.model, policy, optimizer, step)
+
+    policy.train()
+    bar = progress(range(1, config.steps + 1), total=config.steps, desc="pretrain")
+    for step in bar:
+        batch = windows.sample(config.batch_size, generator)
+        loss = policy.bc_loss(batch)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"BC loss became {loss.item()} at step {step}")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip)
+        optimizer.step()
+        lr_schedule.step()
+        ema.update(policy)
+
+        running_loss += loss.item()
+        running_count += 1
+        if step % config.log_every == 0 or step == config.steps:
+            mean_loss = running_loss / running_count
+            losses.append((step, mean_loss))
+            running_loss, running_count = 0.0, 0
+            if run is not None:
+                run.log(step, {"train/loss": mean_loss, "train/lr": optimizer.param_groups[0]["lr"],
+                               "train/ema_decay": ema.decay(),
+                               "train/steps_per_s": step / (time.perf_counter() - start)})
+            if hasattr(bar, "set_postfix"):
+                bar.set_postfix(loss=f"{mean_loss:.4f}")
+        if config.eval_every and step % config.eval_every == 0 and step < config.steps:
+            evaluate_and_save(step)
+            policy.train()
+    train_s = time.perf_counter() - start
+    evaluate_and_save(config.steps)
+    return {"ema_policy": ema.model, "final_loss": losses[-1][1] if losses else float("nan"),
+            "losses": losses, "evals": evals, "train_s": train_s}

@@ -1,0 +1,429 @@
+"""Residual off-policy RL (ResFiT): SAC or TD3 on a per-step residual over a frozen chunk policy.
+
+Ankile et al. (2025), "From Imitation to Refinement: Residual RL for Precise Assembly" / ResFiT:
+a frozen BC policy proposes b_t; an actor on [obs, b_t] adds a bounded correction (zero at the
+start); the critic is an ensemble Q_1..Q_E(s, b, a) with LayerNorm whose TD target is the
+minimum over a random pair of target critics (REDQ); n-step returns are computed per env over
+many parallel envs; each batch mixes demonstrations (actions from the BC dataset, base actions
+relabelled by the base policy) and online data, 50/50 by default; the update-to-data ratio is a
+config value. The WSRL stages (algos/wsrl.py) come first: base-policy rollouts, critic-only
+updates, then actor updates.
+
+Truncation vs termination: a truncated episode bootstraps from info["final_obs"] (and the base
+action the base policy would have taken there); a terminated one does not bootstrap.
+
+`finetune(cfg, run, env, policy)` is the `embodied-rl finetune algo=residual_sac` entry point.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from embodied_rl.actors.latent_noise import state_obs
+from embodied_rl.actors.residual_offpolicy import (
+    BaseActionQueue,
+    ResidualAgent,
+    load_tensors,
+    make_actor,
+    mlp,
+    save_residual_actor,
+)
+from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart
+from embodied_rl.errors import UserError
+
+# --------------------------------------------------------------------------------------------
+# Pure pieces: n-step returns and the random-pair target
+# --------------------------------------------------------------------------------------------
+
+
+def nstep_returns(rewards: Tensor, terminated: Tensor, truncated: Tensor, gamma: float) -> tuple[Tensor, Tensor, Tensor]:
+    """n-step returns of the first step of a window, per env.
+
+    rewards, terminated, truncated: [n, N], time-major (row 0 is the step whose return is
+    wanted). The return stops at the first step k where the episode ended (terminated or
+    truncated) or at k = n - 1. Returns (R [N], discount [N], k [N]):
+        R = sum_{i<=k} gamma^i r_i,   discount = gamma^(k+1) if not terminated at k else 0,
+    and the bootstrap uses the next observation of step k (for a truncated step: final_obs).
+    """
+    n = rewards.shape[0]
+    done = terminated | truncated
+    # alive[i]: no episode end strictly before step i
+    ended_before = torch.cumsum(done.long(), dim=0) - done.long()
+    alive = ended_before == 0
+    powers = gamma ** torch.arange(n, dtype=rewards.dtype, device=rewards.device)
+    returns = (rewards * alive * powers[:, None]).sum(0)
+    first_done = torch.where(done.any(0), done.long().argmax(0), torch.full_like(done[0], n - 1, dtype=torch.long))
+    terminal = terminated.gather(0, first_done[None]).squeeze(0)
+    discount = gamma ** (first_done + 1).to(rewards.dtype) * (~terminal).to(rewards.dtype)
+    return returns, discount, first_done
+
+
+def random_pair_min(q_values: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """[E, B] ensemble values -> [B]: the minimum over two distinct critics drawn at random
+    (one pair per batch, as in REDQ)."""
+    ensemble = q_values.shape[0]
+    if ensemble < 2:
+        return q_values[0]
+    pair = torch.randperm(ensemble, generator=generator)[:2].to(q_values.device)
+    return q_values[pair].min(0).values
+
+
+class QEnsemble(nn.Module):
+    """E LayerNorm critics Q(s, b, a) -> [E, B]."""
+
+    def __init__(self, obs_dim: int, action_dim: int, hidden_sizes: list[int], ensemble: int):
+        super().__init__()
+        self.critics = nn.ModuleList(mlp(obs_dim + 2 * action_dim, 1, hidden_sizes) for _ in range(ensemble))
+
+    def forward(self, obs: Tensor, base: Tensor, action: Tensor) -> Tensor:
+        x = torch.cat([obs, base, action], dim=-1)
+        return torch.stack([q(x).squeeze(-1) for q in self.critics])
+
+
+# --------------------------------------------------------------------------------------------
+# Replay
+# --------------------------------------------------------------------------------------------
+
+FIELDS = ("obs", "base", "action", "reward", "discount", "next_obs", "next_base")
+
+
+class Replay:
+    """A fixed-size circular buffer of n-step transitions (torch tensors on one device)."""
+
+    def __init__(self, capacity: int, obs_dim: int, action_dim: int, device: torch.device):
+        dims = {"obs": obs_dim, "base": action_dim, "action": action_dim, "reward": 0, "discount": 0,
+                "next_obs": obs_dim, "next_base": action_dim}
+        self.data = {k: torch.zeros((capacity, d) if d else (capacity,), device=device) for k, d in dims.items()}
+        self.capacity, self.size, self.pos = int(capacity), 0, 0
+
+    def add(self, batch: dict[str, Tensor]) -> None:
+        n = len(batch["obs"])
+        idx = (self.pos + torch.arange(n)) % self.capacity
+        for key in FIELDS:
+            self.data[key][idx.to(self.data[key].device)] = batch[key].to(self.data[key])
+        self.pos = (self.pos + n) % self.capacity
+        self.size = min(self.size + n, self.capacity)
+
+    def sample(self, n: int, generator: torch.Generator | None = None) -> dict[str, Tensor]:
+        idx = torch.randint(0, self.size, (n,), generator=generator)
+        return {k: v[idx.to(v.device)] for k, v in self.data.items()}
+
+
+def demo_transitions(dataset: Any, policy: Any, gamma: float, success_terminates: bool, device: torch.device) -> dict[str, Tensor]:
+    """1-step transitions of a demo dataset; base actions relabelled by running the base policy's
+    queue over each episode (replanning every n_action_steps from the episode's start, as online).
+    The last step of a successful episode is terminal when the task ends on success; the last
+    step of any other episode has no next observation and is dropped."""
+    obs_all = torch.as_tensor(np.asarray(dataset.obs), dtype=torch.float32)
+    act_all = torch.as_tensor(np.asarray(dataset.action), dtype=torch.float32)
+    rew_all = torch.as_tensor(np.asarray(dataset.reward), dtype=torch.float32)
+    successes = np.asarray(dataset.episode_success, dtype=bool) if hasattr(dataset, "episode_success") else None
+    to, ha = int(policy.n_obs_steps), int(policy.n_action_steps)
+    start_index = to - 1
+    out: dict[str, list[Tensor]] = {k: [] for k in FIELDS}
+    for episode in range(dataset.num_episodes):
+        start, end = dataset.episode_bounds(episode)
+        obs, act, rew = obs_all[start:end], act_all[start:end], rew_all[start:end]
+        length = end - start
+        anchors = torch.arange(0, length, ha)
+        window = anchors[:, None] - torch.arange(to - 1, -1, -1)[None]  # history indices, clamped at 0
+        history = obs[window.clamp(min=0)]
+        with torch.no_grad():
+            device_p = next(policy.parameters()).device
+            chunks = policy.predict_chunk(history.to(device_p), generator=torch.Generator(device=device_p).manual_seed(episode))
+        base = chunks[:, start_index : start_index + ha].reshape(-1, act.shape[-1])[:length].float().cpu()
+        terminal = bool(successes[episode]) and success_terminates if successes is not None else False
+        last = length if terminal else length - 1
+        if last <= 0:
+            continue
+        nxt = torch.arange(1, last + 1).clamp(max=length - 1)
+        discount = torch.full((last,), gamma)
+        if terminal:
+            discount[-1] = 0.0
+        for key, value in (("obs", obs[:last]), ("base", base[:last]), ("action", act[:last]), ("reward", rew[:last]),
+                           ("discount", discount), ("next_obs", obs[nxt]), ("next_base", base[nxt])):
+            out[key].append(value)
+    if not out["obs"]:
+        raise UserError("the demo dataset has no usable transitions (episodes of length 1?)")
+    return {k: torch.cat(v).to(device) for k, v in out.items()}
+
+
+def find_demo_path(cfg: Any) -> Path | None:
+    """algo.data, else the data path the BC checkpoint recorded (config.json "extra")."""
+    explicit = cfg.algo.get("data")
+    if explicit:
+        path = Path(explicit)
+        if not path.exists():
+            raise UserError(f"algo.data '{path}' does not exist")
+        return path
+    if not cfg.get("checkpoint"):
+        return None
+    from embodied_rl.policies import read_config
+
+    checkpoint = Path(cfg.checkpoint)
+    for candidate in (checkpoint, checkpoint / "checkpoints" / "last", checkpoint / "base_policy"):
+        if (candidate / "config.json").exists():
+            try:
+                extra = read_config(candidate).get("extra", {}) or {}
+            except Exception:
+                continue
+            for key in ("data", "data_path", "dataset"):
+                if extra.get(key) and Path(extra[key]).exists():
+                    return Path(extra[key])
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# The learner
+# --------------------------------------------------------------------------------------------
+
+
+class ResidualSAC:
+    """Residual actor + Q ensemble + their optimisers and updates (SAC or TD3, config `actor`)."""
+
+    def __init__(self, algo: Any, obs_dim: int, action_dim: int, device: torch.device, seed: int):
+        if algo.actor not in ("sac", "td3"):
+            raise UserError(f"algo.actor must be 'sac' or 'td3', got {algo.actor!r}")
+        if int(algo.ensemble) < 2 or int(algo.n_step) < 1:
+            raise UserError("algo.ensemble must be >= 2 and algo.n_step >= 1")
+        self.algo, self.device = algo, device
+        self.config = {"obs_dim": obs_dim, "action_dim": action_dim, "hidden_sizes": list(algo.actor_hidden_sizes),
+                       "residual_scale": float(algo.residual_scale), "actor": str(algo.actor)}
+        self.actor = make_actor(self.config).to(device)
+        self.actor_target = make_actor(self.config).to(device).requires_grad_(False)
+        self.actor_target.load_state_dict(self.actor.state_dict())
+        self.critic = QEnsemble(obs_dim, action_dim, list(algo.critic_hidden_sizes), int(algo.ensemble)).to(device)
+        self.critic_target = QEnsemble(obs_dim, action_dim, list(algo.critic_hidden_sizes), int(algo.ensemble)).to(device)
+        self.critic_target.load_state_dict(self.critic.state_dict())
+        self.critic_target.requires_grad_(False)
+        self.actor_optimizer = torch.optim.Adam(self.actor.parameters(), lr=float(algo.actor_lr))
+        self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=float(algo.critic_lr))
+        self.log_alpha = torch.tensor(float(np.log(algo.init_alpha)), device=device, requires_grad=True)
+        self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=float(algo.critic_lr))
+        self.target_entropy = float(algo.target_entropy) if algo.target_entropy != "auto" else -float(action_dim)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.updates = 0
+
+    def optimizers(self) -> dict[str, Any]:
+        return {"actor": self.actor_optimizer, "critic": self.critic_optimizer, "alpha": self.alpha_optimizer}
+
+    def explore(self, obs: Tensor, base: Tensor) -> Tensor:
+        """Residual for data collection: SAC samples; TD3 adds Gaussian exploration noise."""
+        with torch.no_grad():
+            residual, _ = self.actor.sample(obs, base)
+            if self.algo.actor == "td3":
+                noise = torch.randn_like(residual) * float(self.algo.exploration_noise) * self.actor.scale
+                residual = (residual + noise).clamp(-self.actor.scale, self.actor.scale)
+        return residual
+
+    def _next_action(self, obs: Tensor, base: Tensor) -> tuple[Tensor, Tensor]:
+        if self.algo.actor == "td3":  # target policy smoothing
+            residual = self.actor_target(obs, base)
+            noise = (torch.randn_like(residual) * float(self.algo.target_noise) * self.actor.scale).clamp(
+                -0.5 * self.actor.scale, 0.5 * self.actor.scale)
+            return (base + residual + noise).clamp(-1, 1), torch.zeros(len(obs), device=obs.device)
+        residual, log_prob = self.actor.sample(obs, base)
+        return (base + residual).clamp(-1, 1), log_prob
+
+    def update(self, batch: dict[str, Tensor], update_actor: bool) -> dict[str, float]:
+        alpha = self.log_alpha.exp().detach() if self.algo.actor == "sac" else torch.zeros((), device=self.device)
+        with torch.no_grad():
+            next_action, next_log_prob = self._next_action(batch["next_obs"], batch["next_base"])
+            next_q = random_pair_min(self.critic_target(batch["next_obs"], batch["next_base"], next_action), self.generator)
+            target = batch["reward"] + batch["discount"] * (next_q - alpha * next_log_prob)
+        q = self.critic(batch["obs"], batch["base"], batch["action"])
+        critic_loss = ((q - target[None]) ** 2).mean(1).sum()
+        self.critic_optimizer.zero_grad()
+        critic_loss.backward()
+        self.critic_optimizer.step()
+        stats = {"train/critic_loss": critic_loss.item(), "train/q": q.mean().item()}
+
+        self.updates += 1
+        delay = int(self.algo.policy_delay) if self.algo.actor == "td3" else 1
+        if update_actor and self.updates % delay == 0:
+            residual, log_prob = self.actor.sample(batch["obs"], batch["base"])
+            if self.algo.actor == "td3":
+                residual = self.actor(batch["obs"], batch["base"])
+            action = (batch["base"] + residual).clamp(-1, 1)
+            q_pi = self.critic(batch["obs"], batch["base"], action).mean(0)
+            actor_loss = (alpha * log_prob - q_pi).mean()
+            self.actor_optimizer.zero_grad()
+            actor_loss.backward()
+            self.actor_optimizer.step()
+            stats.update({"train/actor_loss": actor_loss.item(), "train/residual_abs": residual.abs().mean().item()})
+            if self.algo.actor == "sac":
+                alpha_loss = -(self.log_alpha * (log_prob.detach() + self.target_entropy)).mean()
+                self.alpha_optimizer.zero_grad()
+                alpha_loss.backward()
+                self.alpha_optimizer.step()
+                stats["train/alpha"] = float(alpha)
+            _polyak(self.actor, self.actor_target, float(self.algo.tau))
+        _polyak(self.critic, self.critic_target, float(self.algo.tau))
+        return stats
+
+    def state_tensors(self) -> dict[str, Any]:
+        return {"actor_target": self.actor_target.state_dict(), "critic_target": self.critic_target.state_dict(),
+                "log_alpha": self.log_alpha.detach().cpu(), "generator": self.generator.get_state(),
+                "updates": self.updates}
+
+    def load_state_tensors(self, state: dict[str, Any]) -> None:
+        self.actor_target.load_state_dict(state["actor_target"])
+        self.critic_target.load_state_dict(state["critic_target"])
+        with torch.no_grad():
+            self.log_alpha.copy_(state["log_alpha"].to(self.device))
+        self.generator.set_state(state["generator"])
+        self.updates = int(state["updates"])
+
+
+@torch.no_grad()
+def _polyak(source: nn.Module, target: nn.Module, tau: float) -> None:
+    for p, tp in zip(source.parameters(), target.parameters()):
+        tp.lerp_(p, tau)
+
+
+# --------------------------------------------------------------------------------------------
+# embodied-rl finetune algo=residual_sac
+# --------------------------------------------------------------------------------------------
+
+
+def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
+    """Collect with base + residual, update at the UTD ratio, evaluate and checkpoint."""
+    from embodied_rl.algos.common import (
+        Evaluator,
+        headline_from_eval,
+        load_training_state,
+        restore,
+        save_checkpoint,
+    )
+    from embodied_rl.data.dataset import DemoDataset
+    from embodied_rl.runs import progress
+
+    algo = cfg.algo
+    seed = int(cfg.seed)
+    torch.manual_seed(seed)
+    device = torch.device(str(cfg.device))
+    policy.eval()
+    policy.requires_grad_(False)
+    num_envs = int(env.num_envs)
+    obs_dim = int(env.single_observation_space.shape[0]) if hasattr(env.single_observation_space, "shape") else 0
+    action_dim = int(env.single_action_space.shape[0])
+    learner = ResidualSAC(algo, obs_dim, action_dim, device, seed)
+    warm_start = WarmStart.from_config(algo)
+    gamma, n_step = float(algo.gamma), int(algo.n_step)
+    replay = Replay(int(algo.buffer_size), obs_dim, action_dim, device)
+    batch_size = int(algo.batch_size)
+    utd = float(algo.utd_ratio)
+    if utd <= 0:
+        raise UserError(f"algo.utd_ratio must be > 0, got {utd}")
+
+    demos = None
+    demo_fraction = float(algo.demo_fraction)
+    demo_path = find_demo_path(cfg) if demo_fraction > 0 else None
+    if demo_path is not None:
+        task = getattr(env, "task", None)
+        demos = demo_transitions(DemoDataset.load(demo_path), policy, gamma,
+                                 bool(getattr(task, "success_terminates", True)), device)
+    demo_batch = int(round(batch_size * demo_fraction)) if demos is not None else 0
+    demo_generator = torch.Generator().manual_seed(seed + 1)
+
+    def write_agent(path: Path) -> None:
+        save_residual_actor(path, learner.actor, learner.critic, policy, learner.config)
+
+    env_steps, pending_updates = 0, 0.0
+    resumed = load_training_state(run)
+    if resumed is not None:
+        learner.actor.load_state_dict(load_tensors(resumed["path"], "actor."))
+        learner.critic.load_state_dict(load_tensors(resumed["path"], "critic."))
+        counters = restore(resumed, learner.optimizers())
+        learner.load_state_tensors(resumed["state"]["learner"])
+        env_steps = int(counters["env_steps"])
+        # the replay buffer is not saved: it refills from the resumed policy's rollouts
+
+    def save(step: int) -> None:
+        save_checkpoint(run, step, write_agent, learner.optimizers(), {"env_steps": step},
+                        {"learner": learner.state_tensors()})
+
+    def make_agent(n: int) -> ResidualAgent:
+        return ResidualAgent(learner.actor, policy, n)
+
+    start_time = time.perf_counter()
+    evaluator = Evaluator(cfg, run, last_step=env_steps)
+    if resumed is None and evaluator.every > 0:
+        evaluator.maybe_evaluate(0, make_agent, force=True)  # zero residual: the base policy
+    queue = BaseActionQueue(policy, num_envs, seed=seed)
+    obs, _ = env.reset(seed=seed + env_steps)
+    obs = state_obs(obs)
+    base = queue.act(obs)
+    window: list[dict[str, Tensor]] = []
+    stats: dict[str, float] = {}
+    returns, successes = [], []
+    log_every = max(num_envs, int(cfg.get("log_every", 0) or num_envs * 50))
+    next_log = env_steps + log_every
+    bar = progress(total=int(cfg.env_steps), desc="finetune residual_sac")
+    bar.update(env_steps)
+    while env_steps < int(cfg.env_steps):
+        phase = warm_start.phase(env_steps)
+        residual = torch.zeros_like(base) if phase == WARMUP else learner.explore(obs.to(device), base.to(device)).to(obs.device)
+        action = (base + residual).clamp(-1.0, 1.0)
+        next_obs, reward, terminated, truncated, info = env.step(action)
+        next_obs = state_obs(next_obs)
+        done = terminated | truncated
+        final_obs = torch.where(done[:, None], state_obs(info["final_obs"]), next_obs)
+        bootstrap_base = queue.peek(final_obs, done)  # what the base policy would do at final_obs
+        queue.reset(done.cpu())
+        next_base = queue.act(next_obs)
+        window.append({"obs": obs, "base": base, "action": action, "reward": reward.float(),
+                       "terminated": terminated, "truncated": truncated, "next_obs": final_obs,
+                       "next_base": torch.where(done[:, None], bootstrap_base, next_base)})
+        if len(window) == n_step:  # the oldest step now has its n-step return
+            steps = {key: torch.stack([w[key] for w in window]) for key in window[0]}
+            ret, discount, last = nstep_returns(steps["reward"], steps["terminated"], steps["truncated"], gamma)
+            rows = torch.arange(num_envs, device=ret.device)
+            replay.add({"obs": steps["obs"][0], "base": steps["base"][0], "action": steps["action"][0],
+                        "reward": ret, "discount": discount, "next_obs": steps["next_obs"][last, rows],
+                        "next_base": steps["next_base"][last, rows]})
+            window.pop(0)
+        if bool(info["_episode"].any()):
+            ended = info["_episode"]
+            returns += info["episode"]["return"][ended].tolist()
+            successes += info["episode"]["success_once"][ended].tolist()
+        obs, base = next_obs, next_base
+        env_steps += num_envs
+        bar.update(num_envs)
+
+        if phase != WARMUP and replay.size > 0:
+            pending_updates += utd * num_envs
+            while pending_updates >= 1:
+                pending_updates -= 1
+                online = replay.sample(batch_size - demo_batch)
+                if demo_batch:
+                    idx = torch.randint(0, len(demos["obs"]), (demo_batch,), generator=demo_generator)
+                    online = {k: torch.cat([online[k], demos[k][idx.to(device)]]) for k in FIELDS}
+                stats = learner.update(online, update_actor=phase == FULL)
+
+        if env_steps >= next_log:
+            metrics = dict(stats)
+            metrics["train/phase"] = {WARMUP: 0, CRITIC: 1, FULL: 2}[phase]
+            if returns:
+                metrics["rollout/return"] = float(np.mean(returns))
+                metrics["rollout/success_rate"] = float(np.mean(successes))
+                returns, successes = [], []
+            run.log(env_steps, metrics)
+            next_log = env_steps + log_every
+        if env_steps < int(cfg.env_steps) and evaluator.due(env_steps):
+            evaluator.maybe_evaluate(env_steps, make_agent)
+            save(env_steps)
+    bar.close()
+    save(env_steps)
+    info = evaluator.last_info
+    if evaluator.every > 0 and evaluator.last_step != env_steps:
+        info = evaluator.maybe_evaluate(env_steps, make_agent, force=True)
+    evaluator.close()
+    run.log(env_steps, {"train/wall_s": time.perf_counter() - start_time})
+    return headline_from_eval(info, env_steps, run)

@@ -1,0 +1,127 @@
+"""embodied-rl collect: run a task's scripted expert in parallel envs and write a demo dataset.
+
+Each env's episode is recorded step by step (state obs, action, reward, optionally pixels); a
+finished episode is kept if it succeeded (or always, with only_success=false) and was not cut
+short by unstable physics. Collection stops once `demos` episodes are kept, or after
+`max_episodes` attempts (default 20 * demos): then whatever was kept is written.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from embodied_rl.commands import start_run
+from embodied_rl.errors import UserError
+from embodied_rl.runs import progress
+
+
+def validate(cfg: DictConfig) -> None:
+    if cfg.demos < 1:
+        raise UserError(f"demos must be >= 1, got {cfg.demos}")
+    if not 0.0 <= float(cfg.quality) <= 1.0:
+        raise UserError(f"quality must be in [0, 1], got {cfg.quality}")
+    if cfg.num_envs < 1:
+        raise UserError(f"num_envs must be >= 1, got {cfg.num_envs}")
+    if cfg.max_episodes is not None and cfg.max_episodes < cfg.demos:
+        raise UserError(f"max_episodes ({cfg.max_episodes}) must be >= demos ({cfg.demos})")
+    if cfg.out is not None and Path(cfg.out).exists():
+        raise UserError(f"out '{cfg.out}' already exists; choose a new path (nothing was overwritten)")
+
+
+def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_success: bool,
+                     pixels: bool, seed: int) -> tuple[list[dict[str, np.ndarray]], int, int]:
+    """Run the expert until `demos` episodes are kept; return (kept, attempted, successes)."""
+    n = env.num_envs
+    obs, _ = env.reset(seed=seed)
+    expert.reset(torch.ones(n, dtype=torch.bool))
+    buffers: list[dict[str, list]] = [{"obs": [], "action": [], "reward": [], "pixels": []} for _ in range(n)]
+    kept: list[dict[str, np.ndarray]] = []
+    attempted = successes = 0
+    bar = progress(total=demos, desc="collect")
+    while len(kept) < demos and attempted < max_episodes:
+        action = expert.act(obs)
+        state = (obs["state"] if isinstance(obs, dict) else obs).cpu().numpy()
+        frames = obs["pixels"].cpu().numpy() if pixels else None
+        obs, reward, _, _, info = env.step(action)
+        action_np, reward_np = action.cpu().numpy(), reward.cpu().numpy()
+        for i in range(n):
+            buffers[i]["obs"].append(state[i])
+            buffers[i]["action"].append(action_np[i])
+            buffers[i]["reward"].append(reward_np[i])
+            if pixels:
+                buffers[i]["pixels"].append(frames[i])
+        done = info["_episode"].cpu()
+        success_once = info["episode"]["success_once"].cpu()
+        unstable = info["unstable"].cpu()
+        for i in torch.nonzero(done).flatten().tolist():
+            attempted += 1
+            success = bool(success_once[i]) and not bool(unstable[i])
+            successes += int(success)
+            if (success or not only_success) and not bool(unstable[i]) and len(kept) < demos:
+                episode = {key: np.stack(value) for key, value in buffers[i].items() if value}
+                episode["success"] = success
+                kept.append(episode)
+                bar.update(1)
+            buffers[i] = {"obs": [], "action": [], "reward": [], "pixels": []}
+        expert.reset(done)
+    bar.close()
+    return kept, attempted, successes
+
+
+def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
+    from embodied_rl.data import write_demos
+    from embodied_rl.envs import make, make_expert
+
+    validate(cfg)
+    run = start_run(cfg, "collect")
+    out = Path(cfg.out) if cfg.out is not None else run.file("demos.zarr")
+    started = time.perf_counter()
+    env = make(
+        cfg.task.name, num_envs=cfg.num_envs, backend=cfg.backend, device=cfg.device, seed=cfg.seed,
+        obs_mode="pixels" if cfg.pixels else "state", image_size=cfg.image_size,
+    )
+    try:
+        generator = torch.Generator().manual_seed(int(cfg.seed) + 1)
+        expert = make_expert(cfg.task.name, env, quality=float(cfg.quality), generator=generator)
+        max_episodes = cfg.max_episodes if cfg.max_episodes is not None else 20 * cfg.demos
+        kept, attempted, successes = collect_episodes(
+            env, expert, cfg.demos, max_episodes, cfg.only_success, cfg.pixels, cfg.seed
+        )
+        obs_dim, action_dim = env.task.obs_dim, env.task.action_dim
+    finally:
+        env.close()
+    success_rate = successes / max(attempted, 1)
+    if not kept:
+        raise UserError(
+            f"the expert kept no episode in {attempted} attempts (success rate {success_rate:.2f}); "
+            "raise quality or set only_success=false"
+        )
+    attrs = {
+        "task": cfg.task.name, "obs_dim": obs_dim, "action_dim": action_dim,
+        "quality": float(cfg.quality), "seed": int(cfg.seed), "backend": cfg.backend,
+        "only_success": bool(cfg.only_success), "expert_success_rate": success_rate,
+    }
+    write_demos(out, kept, attrs)
+    info = {
+        "task": cfg.task.name,
+        "dataset": str(out),
+        "episodes_written": len(kept),
+        "episodes_attempted": attempted,
+        "expert_success_rate": success_rate,
+        "quality": float(cfg.quality),
+        "seed": int(cfg.seed),
+        "pixels": bool(cfg.pixels),
+        "wall_time_s": time.perf_counter() - started,
+    }
+    run.write_json("collect_info.json", info)
+    run.close()
+    headline = {"dataset": str(out), "expert_success_rate": success_rate, "episodes_written": len(kept)}
+    if len(kept) < cfg.demos:
+        headline["warning"] = f"only {len(kept)} of {cfg.demos} episodes kept after {attempted} attempts"
+    return headline, run.path

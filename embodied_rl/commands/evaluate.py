@@ -1,0 +1,151 @@
+"""`embodied-rl eval task=T checkpoint=DIR episodes=N videos=V seed=S`
+
+Loads a policy checkpoint (BC-pretrained or RL-finetuned: `load_policy` tells them apart), runs
+it on `min(num_envs, episodes)` parallel envs through the agent protocol, and writes
+`<run_dir>/eval_info.json` and `<run_dir>/videos/episode_<k>.mp4`. Without `task=`, the task
+recorded in the checkpoint is used; a `task=` that differs from it is an error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from embodied_rl.errors import UserError
+
+
+def validate(cfg: DictConfig) -> Path:
+    """Check the config before any work; return the checkpoint path."""
+    checkpoint = cfg.get("checkpoint")
+    if checkpoint in (None, ""):
+        raise UserError("checkpoint=DIR is required (a policy checkpoint directory)")
+    path = Path(str(checkpoint)).expanduser()
+    if not path.exists():
+        raise UserError(f"checkpoint '{path}' does not exist")
+    if int(cfg.episodes) < 1:
+        raise UserError(f"episodes must be >= 1, got {cfg.episodes}")
+    if not 0 <= int(cfg.videos) <= int(cfg.episodes):
+        raise UserError(f"videos must be in [0, episodes={cfg.episodes}], got {cfg.videos}")
+    if int(cfg.num_envs) < 1:
+        raise UserError(f"num_envs must be >= 1, got {cfg.num_envs}")
+    if int(cfg.video_size) < 16:
+        raise UserError(f"video_size must be >= 16 pixels, got {cfg.video_size}")
+    return path
+
+
+def load_checkpoint(path: Path, device: str = "cpu") -> Any:
+    """`load_policy(path, device)`, with a corrupt or unreadable checkpoint turned into one UserError."""
+    from embodied_rl.policies import load_policy
+
+    try:
+        return load_policy(path, device=device)
+    except UserError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, json.JSONDecodeError) as error:
+        # safetensors, json and torch report corrupt files with these; name the checkpoint.
+        raise UserError(f"cannot load checkpoint '{path}': {type(error).__name__}: {error}") from None
+
+
+def checkpoint_task(policy: Any, path: Path) -> str | None:
+    """The task a checkpoint was trained on, if it records one."""
+    for source in (policy, getattr(policy, "config", None)):
+        if source is None:
+            continue
+        value = source.get("task") if isinstance(source, dict) else getattr(source, "task", None)
+        if isinstance(value, str) and value:
+            return value
+    config_file = path / "config.json"  # {"task": ...} or {"extra": {"task": ...}}
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    extra = config.get("extra") if isinstance(config.get("extra"), dict) else {}
+    for value in (config.get("task"), extra.get("task")):
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def resolve_task(cfg: DictConfig, policy: Any, path: Path) -> str:
+    requested = OmegaConf.select(cfg, "task.name", default=None)
+    trained_on = checkpoint_task(policy, path)
+    if requested is None:
+        if trained_on is None:
+            raise UserError(f"task= is required: checkpoint '{path}' does not record its task")
+        return trained_on
+    if trained_on is not None and trained_on != requested:
+        raise UserError(
+            f"checkpoint '{path}' was trained on task '{trained_on}' but task={requested}; "
+            f"pass task={trained_on} or leave task= out"
+        )
+    return requested
+
+
+def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
+    checkpoint = validate(cfg)
+    from embodied_rl.actors import AGENT_FILE, BASE_POLICY, load_agent
+
+    finetuned = (checkpoint / AGENT_FILE).is_file()  # an RL checkpoint: its actor acts
+    policy = load_checkpoint(checkpoint / BASE_POLICY if finetuned else checkpoint, str(cfg.device))
+    task = resolve_task(cfg, policy, checkpoint)
+
+    import embodied_rl.envs as envs
+    from embodied_rl.commands import start_run
+    from embodied_rl.eval.evaluate import evaluate, format_headline
+    from embodied_rl.policies import PolicyRunner
+
+    episodes, videos = int(cfg.episodes), int(cfg.videos)
+    num_envs = min(int(cfg.num_envs), episodes)
+    env = envs.make(
+        task, num_envs=num_envs, backend=cfg.backend, device=cfg.device, seed=int(cfg.seed),
+        render_size=int(cfg.video_size),
+    )
+    if finetuned:
+        agent = load_agent(checkpoint, num_envs, str(cfg.device))
+    else:
+        agent = PolicyRunner(policy, num_envs)  # evaluate() reseeds its generator every round
+
+    if OmegaConf.select(cfg, "task.name", default=None) is None:
+        with open_dict(cfg):  # record the task taken from the checkpoint in config.yaml
+            cfg.task = {"name": task}
+    run = start_run(cfg, "eval")
+    try:
+        eval_info = evaluate(
+            env, agent, episodes, seed=int(cfg.seed), videos=videos, video_dir=run.file("videos"),
+            video_size=int(cfg.video_size),
+        )
+    finally:
+        env.close()
+    for episode in eval_info["per_episode"]:  # video paths relative to the run directory
+        if episode["video"]:
+            episode["video"] = Path(episode["video"]).relative_to(run.path).as_posix()
+    eval_info = {
+        "task": task,
+        "checkpoint": str(checkpoint.resolve()),
+        "seed": int(cfg.seed),
+        "backend": cfg.backend,
+        "device": str(cfg.device),
+        **eval_info,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+    run.write_json("eval_info.json", eval_info)
+    run.close()
+
+    overall = eval_info["overall"]
+    print(format_headline(overall))
+    headline: dict[str, Any] = {"task": task, "n_episodes": overall["n_episodes"]}
+    if overall["pc_success"] is not None:
+        low, high = overall["success_ci95"]
+        headline["pc_success"] = overall["pc_success"]
+        headline["success_ci95"] = f"[{100 * low:.1f}%, {100 * high:.1f}%]"
+    headline["avg_sum_reward"] = overall["avg_sum_reward"]
+    if overall["sum_reward_ci95"] is not None:
+        low, high = overall["sum_reward_ci95"]
+        headline["sum_reward_ci95"] = f"[{low:.4g}, {high:.4g}]"
+    headline["eval_s"] = overall["eval_s"]
+    return headline, run.path

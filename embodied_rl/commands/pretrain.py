@@ -1,0 +1,180 @@
+"""`embodied-rl pretrain task=T policy=diffusion|flow|shortcut data=DIR steps=N`
+
+Behaviour-clones a chunk policy from a demo dataset (algos/bc.py), evaluates the EMA policy in
+the env every `eval_every` steps and at the end, and writes into the run directory:
+metrics.jsonl + tb/ (loss, lr, eval), checkpoints/<step>/ and checkpoints/last/ (load with
+`embodied_rl.policies.load_policy`), eval_info.json and videos/ of the final evaluation.
+`obs=pixels` (or policy.obs_mode=pixels) trains from camera frames when the dataset has them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from embodied_rl.errors import UserError
+
+POLICY_SPECIFIC_KEYS = ("num_train_timesteps", "time_sampling", "max_steps", "shortcut_fraction")
+
+
+def _positive(cfg: DictConfig, key: str, allow_none: bool = False, allow_zero: bool = False) -> None:
+    value = OmegaConf.select(cfg, key)
+    if value is None and allow_none:
+        return
+    low = 0 if allow_zero else 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise UserError(f"{key} must be an integer >= {low}, got {value!r}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check the config before any work."""
+    if cfg.get("data") in (None, ""):
+        raise UserError("data=PATH is required (a demo dataset from `embodied-rl collect`)")
+    if not Path(str(cfg.data)).expanduser().exists():
+        raise UserError(f"dataset '{cfg.data}' does not exist")
+    for key in ("steps", "eval_every", "max_demos"):
+        _positive(cfg, key, allow_none=True)
+    for key in ("batch_size", "log_every", "num_envs"):
+        _positive(cfg, key)
+    for key in ("eval_episodes", "videos"):
+        _positive(cfg, key, allow_zero=True)
+    if cfg.eval_episodes and cfg.videos > cfg.eval_episodes:
+        raise UserError(f"videos must be in [0, eval_episodes={cfg.eval_episodes}], got {cfg.videos}")
+    policy = cfg.policy
+    from embodied_rl.policies import POLICIES
+
+    if policy.name not in POLICIES:
+        raise UserError(f"unknown policy '{policy.name}' (choose from: {', '.join(POLICIES)})")
+    obs_mode = cfg.obs if cfg.get("obs") is not None else policy.obs_mode
+    if obs_mode not in ("state", "pixels"):
+        raise UserError(f"obs must be 'state' or 'pixels', got {obs_mode!r}")
+    if policy.backbone not in ("mlp", "unet"):
+        raise UserError(f"policy.backbone must be 'mlp' or 'unet', got {policy.backbone!r}")
+    if policy.normalizer not in ("minmax", "meanstd"):
+        raise UserError(f"policy.normalizer must be 'minmax' or 'meanstd', got {policy.normalizer!r}")
+    for key in ("n_obs_steps", "horizon", "n_action_steps", "num_inference_steps", "warmup_steps"):
+        _positive(cfg, f"policy.{key}", allow_zero=key == "warmup_steps")
+    if not float(policy.lr) > 0:
+        raise UserError(f"policy.lr must be > 0, got {policy.lr}")
+
+
+def build_policy(cfg: DictConfig, dataset: Any, obs_mode: str, task: str | None) -> Any:
+    """The policy of cfg.policy with its normaliser fit on `dataset`."""
+    from embodied_rl.data import fit_normalizer
+    from embodied_rl.policies import make_policy
+
+    p = cfg.policy
+    specific = {k: OmegaConf.to_object(p[k]) if OmegaConf.is_config(p[k]) else p[k]
+                for k in POLICY_SPECIFIC_KEYS if k in p}
+    image_shape = list(dataset.pixels.shape[1:3]) if obs_mode == "pixels" else None
+    try:
+        return make_policy(
+            p.name, obs_dim=dataset.obs.shape[1], action_dim=dataset.action.shape[1],
+            normalizer=fit_normalizer(dataset, p.normalizer), n_obs_steps=p.n_obs_steps,
+            horizon=p.horizon, n_action_steps=p.n_action_steps,
+            num_inference_steps=p.num_inference_steps, backbone=p.backbone,
+            backbone_kwargs=OmegaConf.to_container(p[p.backbone], resolve=True),
+            obs_mode=obs_mode, image_shape=image_shape,
+            vision_kwargs=OmegaConf.to_container(p.vision, resolve=True),
+            normalizer_mode=p.normalizer, task=task, **specific,
+        )
+    except ValueError as error:  # a bad combination of sizes, e.g. n_action_steps > horizon
+        if isinstance(error, UserError):
+            raise
+        raise UserError(f"bad policy config: {error}") from None
+
+
+def _headline_metrics(overall: dict[str, Any]) -> dict[str, Any]:
+    metrics = {"avg_sum_reward": overall.get("avg_sum_reward")}
+    if overall.get("success_rate") is not None:
+        metrics["success_rate"] = overall["success_rate"]
+    return metrics
+
+
+def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
+    validate(cfg)
+    import torch
+
+    from embodied_rl.algos.bc import BCConfig, save_checkpoint, train_bc
+    from embodied_rl.commands import start_run
+    from embodied_rl.data import ChunkWindows, DemoDataset
+
+    task = OmegaConf.select(cfg, "task.name", default=None)
+    dataset = DemoDataset.load(Path(str(cfg.data)).expanduser(), max_episodes=cfg.max_demos)
+    data_task = dataset.attrs.get("task")
+    if task and data_task and data_task != task:
+        raise UserError(f"dataset '{cfg.data}' was collected on task '{data_task}' but task={task}; pass task={data_task}")
+    obs_mode = cfg.obs if cfg.get("obs") is not None else cfg.policy.obs_mode
+    torch.manual_seed(int(cfg.seed))
+    policy = build_policy(cfg, dataset, obs_mode, task)
+    windows = ChunkWindows(dataset, policy.n_obs_steps, policy.horizon, obs_mode=obs_mode)
+    steps = cfg.steps if cfg.steps is not None else int(cfg.default_steps.get(task, 3000))
+    bc_config = BCConfig(
+        steps=steps, batch_size=cfg.batch_size, lr=float(cfg.policy.lr),
+        weight_decay=float(cfg.policy.weight_decay), warmup_steps=min(cfg.policy.warmup_steps, steps),
+        ema_power=float(cfg.policy.ema_power), log_every=cfg.log_every, eval_every=cfg.eval_every,
+        seed=int(cfg.seed),
+    )
+    run = start_run(cfg, "pretrain")
+
+    env = None
+    final_eval: dict[str, Any] = {}
+
+    def evaluate_fn(ema_policy: Any, step: int) -> dict[str, Any]:
+        nonlocal env, final_eval
+        if cfg.eval_episodes == 0:
+            return {}
+        import embodied_rl.envs as envs
+        from embodied_rl.eval.evaluate import evaluate
+        from embodied_rl.policies import PolicyRunner
+
+        num_envs = min(cfg.num_envs, cfg.eval_episodes)
+        if env is None:
+            options = {"obs_mode": obs_mode}
+            if obs_mode == "pixels":
+                options["image_size"] = int(dataset.pixels.shape[1])
+            env = envs.make(task, num_envs=num_envs, backend=cfg.backend, device=cfg.device,
+                            seed=int(cfg.seed), **options)
+        last = step == steps
+        videos = cfg.videos if last else 0
+        info = evaluate(env, PolicyRunner(ema_policy, num_envs, seed=int(cfg.seed)),
+                        cfg.eval_episodes, seed=int(cfg.seed), videos=videos,
+                        video_dir=run.file("videos") if videos else None)
+        if last:
+            final_eval = info
+        return _headline_metrics(info["overall"])
+
+    def checkpoint_fn(ema_policy: Any, raw_policy: Any, optimizer: Any, step: int) -> None:
+        extra = {"dataset": str(dataset.path), "steps": steps}
+        save_checkpoint(run.file("checkpoints", str(step)), ema_policy, raw_policy, optimizer, step, extra)
+        save_checkpoint(run.file("checkpoints", "last"), ema_policy, raw_policy, optimizer, step, extra)
+
+    try:
+        result = train_bc(policy, windows, bc_config, run=run, evaluate_fn=evaluate_fn,
+                          checkpoint_fn=checkpoint_fn)
+    finally:
+        if env is not None:
+            env.close()
+        run.close()
+
+    headline: dict[str, Any] = {"task": task, "policy": cfg.policy.name, "steps": steps,
+                                "final_loss": result["final_loss"], "train_s": result["train_s"]}
+    if final_eval:
+        for episode in final_eval["per_episode"]:
+            if episode.get("video"):
+                episode["video"] = Path(episode["video"]).relative_to(run.path).as_posix()
+        checkpoint = run.file("checkpoints", "last")
+        run.write_json("eval_info.json", {
+            "task": task, "checkpoint": str(checkpoint.resolve()), "seed": int(cfg.seed),
+            "backend": cfg.backend, "device": str(cfg.device), "step": steps, **final_eval,
+            "config": OmegaConf.to_container(cfg, resolve=True),
+        })
+        overall = final_eval["overall"]
+        if overall.get("pc_success") is not None:
+            headline["pc_success"] = overall["pc_success"]
+            headline["success_rate"] = overall["success_rate"]
+        headline["avg_sum_reward"] = overall["avg_sum_reward"]
+    headline["checkpoint"] = str(run.file("checkpoints", "last"))
+    return headline, run.path

@@ -1,0 +1,172 @@
+"""Backend `mujoco_warp`: the same Task classes on MuJoCo Warp, all N envs in one batched Data.
+
+MuJoCo Warp keeps every world's state in float32 device arrays (`nworld = N`). `wp.to_torch` gives
+zero-copy torch views of qpos/qvel/sensordata/ctrl: they are the SimState the tasks read, and
+resets write the sampled initial states through them. Nothing is copied between steps, so on a
+GPU the whole env step stays on the device.
+
+A control step runs `step2, step x (substeps - 1), step1`, exactly like the CPU backend: the same
+physics as `substeps` mj_steps, with sensors (and kinematics) of the state actually reached. On a
+CUDA device that sequence is captured once into a CUDA graph (wp.ScopedCapture) and replayed;
+on Warp's CPU device it is a plain loop. Warp compiles its kernels on first use (tens of seconds
+per model on the CPU; cached under ~/.cache/warp afterwards).
+
+Rendering copies the requested envs' qpos/qvel into one CPU MjData and draws it with the CPU
+backend's renderer. Physics that goes non-finite is reset by SimBatchedEnv, as on the CPU backend;
+MuJoCo Warp raises no per-world warnings, so NaN/inf rows are the only instability signal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from embodied_rl.envs.api import SimBatchedEnv, SimState, Task
+from embodied_rl.envs.backends.mujoco_cpu import MujocoCpuEnv
+from embodied_rl.errors import UserError
+
+
+class MujocoWarpEnv(SimBatchedEnv):
+    """BatchedEnv on MuJoCo Warp (float32 inside and outside).
+
+    Args beyond SimBatchedEnv's:
+        device: "cpu" (Warp's CPU device: slow, for tests) or "cuda" / "cuda:K".
+        cuda_graph: capture the substep loop in a CUDA graph (default: on for CUDA devices).
+        nconmax, njmax: contact and constraint capacity per world, passed to
+            mujoco_warp.put_data (None: MuJoCo Warp's own guess from the model).
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        num_envs: int,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+        obs_mode: str = "state",
+        image_size: int = 96,
+        render_size: int = 256,
+        cuda_graph: bool | None = None,
+        nconmax: int | None = None,
+        njmax: int | None = None,
+    ):
+        import mujoco
+        import mujoco_warp as mjw
+        import warp as wp
+
+        self._mujoco, self._mjw, self._wp = mujoco, mjw, wp
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        if device.type not in ("cpu", "cuda"):
+            raise UserError(f"backend 'mujoco_warp' runs on 'cpu' or 'cuda', got device '{device}'")
+        try:
+            self.wp_device = wp.get_device(str(device))
+        except Exception as error:  # warp raises RuntimeError/ValueError for an absent device
+            raise UserError(f"Warp cannot use device '{device}': {error}") from None
+        self.sim_device = device
+
+        model = task.load_model()
+        super().__init__(task, model, num_envs, device, seed, obs_mode, image_size, render_size)
+        n = self.num_envs
+        self.substeps = int(task.control_substeps)
+
+        data = mujoco.MjData(model)
+        mujoco.mj_forward(model, data)
+        with wp.ScopedDevice(self.wp_device):
+            self.wp_model = mjw.put_model(model)
+            self.wp_data = mjw.put_data(model, data, nworld=n, nconmax=nconmax, njmax=njmax)
+            self._reset_mask = wp.zeros(n, dtype=bool)
+        d = self.wp_data
+        self._state = SimState(
+            qpos=wp.to_torch(d.qpos),
+            qvel=wp.to_torch(d.qvel),
+            sensordata=wp.to_torch(d.sensordata),
+            ctrl=wp.to_torch(d.ctrl),
+        )
+        self._reset_mask_torch = wp.to_torch(self._reset_mask)
+
+        # Kernels compile on this first run, which a CUDA graph capture requires anyway. The state
+        # it leaves behind does not matter: the first reset sets every env.
+        self._graph = None
+        with wp.ScopedDevice(self.wp_device):
+            self._substep_loop()
+            if self.wp_device.is_cuda if cuda_graph is None else cuda_graph:
+                if not self.wp_device.is_cuda:
+                    raise UserError("cuda_graph=True needs a CUDA device")
+                with wp.ScopedCapture() as capture:
+                    self._substep_loop()
+                self._graph = capture.graph
+
+        self._render_data = mujoco.MjData(model)
+        self._renderers: dict[int, Any] = {}
+
+    # ---- physics primitives ----
+    @property
+    def state(self) -> SimState:
+        return self._state
+
+    def _substep_loop(self) -> None:
+        mjw, m, d = self._mjw, self.wp_model, self.wp_data
+        mjw.step2(m, d)
+        for _ in range(self.substeps - 1):
+            mjw.step(m, d)
+        mjw.step1(m, d)
+
+    def _write_state(self, env_ids: Tensor, qpos: Tensor, qvel: Tensor) -> None:
+        ids = env_ids.to(self.sim_device)
+        # reset_data clears everything of those worlds (ctrl, act, time, warmstart, applied
+        # forces, mocap); then the sampled state goes in through the torch views.
+        self._reset_mask_torch.zero_()
+        self._reset_mask_torch[ids] = True
+        with self._wp.ScopedDevice(self.wp_device):
+            self._mjw.reset_data(self.wp_model, self.wp_data, reset=self._reset_mask)
+            self._state.qpos[ids] = qpos.to(self.sim_device, torch.float32)
+            self._state.qvel[ids] = qvel.to(self.sim_device, torch.float32)
+            # forward recomputes the derived quantities (sensordata) of every world; the others'
+            # states are unchanged, so their values come out the same.
+            self._mjw.forward(self.wp_model, self.wp_data)
+
+    def _step_physics(self, ctrl: Tensor) -> Tensor:
+        self._state.ctrl.copy_(ctrl.to(self.sim_device, torch.float32))
+        with self._wp.ScopedDevice(self.wp_device):
+            if self._graph is not None:
+                # torch wrote ctrl on its current stream; make Warp's stream wait for it
+                if self.sim_device.type == "cuda":
+                    torch.cuda.current_stream(self.sim_device).synchronize()
+                self._wp.capture_launch(self._graph)
+                self._wp.synchronize_device(self.wp_device)
+            else:
+                self._substep_loop()
+        # no per-world warnings in MuJoCo Warp: SimBatchedEnv's NaN/inf check does the work
+        return torch.zeros(self.num_envs, dtype=torch.bool, device=self.sim_device)
+
+    # Rendering reuses the CPU backend's offscreen renderer (same look, same options).
+    _renderer = MujocoCpuEnv._renderer
+
+    def _render_frames(self, env_ids: Tensor, size: int) -> Tensor:
+        import numpy as np
+
+        mujoco, data = self._mujoco, self._render_data
+        ids = env_ids.to(self.sim_device)
+        qpos = self._state.qpos[ids].double().cpu().numpy()
+        qvel = self._state.qvel[ids].double().cpu().numpy()
+        renderer = self._renderer(size)
+        frames = np.empty((len(env_ids), size, size, 3), dtype=np.uint8)
+        for row in range(len(env_ids)):
+            data.qpos[:] = qpos[row]
+            data.qvel[:] = qvel[row]
+            mujoco.mj_forward(self.model, data)
+            renderer.update_scene(data, camera=self.task.camera)
+            frames[row] = renderer.render()
+        return torch.from_numpy(frames)
+
+    def close(self) -> None:
+        for renderer in self._renderers.values():
+            renderer.close()
+        self._renderers.clear()
+
+
+def make_env(task: Task, num_envs: int, device: str = "cpu", seed: int = 0, **options: Any) -> MujocoWarpEnv:
+    return MujocoWarpEnv(task, num_envs, device, seed, **options)

@@ -1,0 +1,186 @@
+"""ChunkPolicy: a BC policy that maps an observation history to a chunk of H actions.
+
+Every policy is a chain of K steps over a latent chunk x of shape [N, H, A] in the normalised
+action space (actions in [-1, 1]):
+
+    cond = policy.encode_obs(obs)                 # obs history -> conditioning vector [N, C]
+    x = noise                                     # [N, H, A] ~ N(0, I)   (policy.noise_shape)
+    for i in range(policy.num_inference_steps):   # one shared grid: policy.timesteps()
+        x = policy.denoise_step(x, i, cond)       # deterministic step (DDIM eta=0 / Euler)
+    chunk = policy.unnormalize_action(x)          # clip to [-1, 1], then to env units
+
+`predict_chunk` is exactly that loop. `step_mean_std(x, i, cond, noise_level)` gives the mean and
+std of a stochastic version of step i (DDIM with eta for diffusion, a marginal-preserving SDE step
+for flow models); with noise_level=0 its mean equals `denoise_step`. RL actors build likelihoods
+from these two methods, so sampling and likelihood always share one time grid. See docs/policies.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from embodied_rl.data.normalizer import Normalizer
+from embodied_rl.policies.nets import BACKBONES, ImageEncoder
+
+Obs = Tensor | dict[str, Tensor]
+
+
+class ChunkPolicy(nn.Module):
+    """Base class: observation encoding, normalisation, the sampling loop. Subclasses define the
+    network call (`predict_noise` or `velocity`), `timesteps`, `denoise_step`, `step_mean_std`
+    and `bc_loss`."""
+
+    policy_type: ClassVar[str] = ""
+    num_times: ClassVar[int] = 1  # scalars the backbone is conditioned on (t, or t and step size)
+
+    def __init__(
+        self,
+        obs_dim: int,
+        action_dim: int,
+        normalizer: Normalizer | None = None,
+        n_obs_steps: int = 2,
+        horizon: int = 16,
+        n_action_steps: int = 8,
+        num_inference_steps: int = 10,
+        backbone: str = "mlp",
+        backbone_kwargs: dict[str, Any] | None = None,
+        obs_mode: str = "state",
+        image_shape: list[int] | None = None,
+        vision_kwargs: dict[str, Any] | None = None,
+        normalizer_mode: str = "minmax",
+        task: str | None = None,
+    ):
+        super().__init__()
+        if not 1 <= n_obs_steps <= horizon:
+            raise ValueError(f"need 1 <= n_obs_steps <= horizon, got {n_obs_steps}, {horizon}")
+        if not 1 <= n_action_steps <= horizon - n_obs_steps + 1:
+            raise ValueError(
+                f"n_action_steps={n_action_steps} must be in [1, horizon - n_obs_steps + 1 = "
+                f"{horizon - n_obs_steps + 1}] (executed actions start at index n_obs_steps-1)"
+            )
+        if backbone not in BACKBONES:
+            raise ValueError(f"unknown backbone '{backbone}' (choose from: {', '.join(BACKBONES)})")
+        if obs_mode not in ("state", "pixels"):
+            raise ValueError(f"unknown obs_mode '{obs_mode}' (choose from: state, pixels)")
+        if obs_mode == "pixels" and not image_shape:
+            raise ValueError("obs_mode=pixels needs image_shape [h, w]")
+        self.obs_dim, self.action_dim = int(obs_dim), int(action_dim)
+        self.n_obs_steps, self.horizon, self.n_action_steps = n_obs_steps, horizon, n_action_steps
+        self.num_inference_steps = num_inference_steps
+        self.obs_mode = obs_mode
+        self.task = task
+        # Everything needed to rebuild this policy; subclasses add their own keys.
+        self.config: dict[str, Any] = {
+            "obs_dim": self.obs_dim, "action_dim": self.action_dim, "n_obs_steps": n_obs_steps,
+            "horizon": horizon, "n_action_steps": n_action_steps,
+            "num_inference_steps": num_inference_steps, "backbone": backbone,
+            "backbone_kwargs": dict(backbone_kwargs or {}), "obs_mode": obs_mode,
+            "image_shape": list(image_shape) if image_shape else None,
+            "vision_kwargs": dict(vision_kwargs or {}), "normalizer_mode": normalizer_mode,
+            "task": task,
+        }
+        if normalizer is None:
+            normalizer = Normalizer.empty_like({"obs": self.obs_dim, "action": self.action_dim}, normalizer_mode)
+        self.normalizer = normalizer
+        cond_dim = n_obs_steps * self.obs_dim
+        self.image_encoder = None
+        if obs_mode == "pixels":
+            self.image_encoder = ImageEncoder(image_shape, **(vision_kwargs or {}))
+            cond_dim += n_obs_steps * self.image_encoder.feature_dim
+        self.net = BACKBONES[backbone](
+            action_dim=self.action_dim, horizon=horizon, cond_dim=cond_dim,
+            num_times=self.num_times, **(backbone_kwargs or {}),
+        )
+
+    # ------------------------------------------------------------------ observations and actions
+    @property
+    def noise_shape(self) -> tuple[int, int]:
+        return (self.horizon, self.action_dim)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def encode_obs(self, obs: Obs) -> Tensor:
+        """Raw obs history (Tensor [N, To, D], or {"state": [N, To, D], "pixels": u8 [N, To, h, w, 3]})
+        -> conditioning [N, C]. Normalises the state; the image encoder scales pixels to [0, 1]."""
+        state = obs["state"] if isinstance(obs, dict) else obs
+        if state.ndim != 3 or state.shape[1:] != (self.n_obs_steps, self.obs_dim):
+            raise ValueError(
+                f"obs must be [N, {self.n_obs_steps}, {self.obs_dim}], got {list(state.shape)}"
+            )
+        parts = [self.normalizer.normalize("obs", state.float()).flatten(1)]
+        if self.image_encoder is not None:
+            pixels = obs.get("pixels") if isinstance(obs, dict) else None
+            if pixels is None:
+                raise ValueError("this policy uses pixels: pass obs={'state': ..., 'pixels': ...}")
+            features = self.image_encoder(pixels.flatten(0, 1))
+            parts.append(features.view(len(state), -1))
+        return torch.cat(parts, dim=-1)
+
+    def normalize_action(self, action: Tensor) -> Tensor:
+        return self.normalizer.normalize("action", action)
+
+    def unnormalize_action(self, x: Tensor) -> Tensor:
+        """Normalised chunk -> env units; clipped to [-1, 1] first (the normalised action range)."""
+        return self.normalizer.unnormalize("action", x.clamp(-1.0, 1.0))
+
+    @staticmethod
+    def batch_obs(batch: dict[str, Tensor]) -> Obs:
+        """The obs part of a training batch (see data.ChunkWindows) in predict_chunk's format."""
+        if "pixels" in batch:
+            return {"state": batch["obs"], "pixels": batch["pixels"]}
+        return batch["obs"]
+
+    # ------------------------------------------------------------------ sampling
+    def initial_noise(self, n: int, generator: torch.Generator | None = None) -> Tensor:
+        device = generator.device if generator is not None else self.device
+        return torch.randn((n, *self.noise_shape), generator=generator, device=device).to(self.device)
+
+    def sample(self, cond: Tensor, noise: Tensor) -> Tensor:
+        """Run the deterministic chain from `noise`; returns the normalised chunk (not clipped)."""
+        x = noise
+        for i in range(self.num_inference_steps):
+            x = self.denoise_step(x, i, cond)
+        return x
+
+    def predict_chunk(
+        self, obs: Obs, noise: Tensor | None = None, generator: torch.Generator | None = None
+    ) -> Tensor:
+        """Obs history -> action chunk [N, H, A] in env units. Deterministic given `noise`."""
+        cond = self.encode_obs(obs)
+        n = len(cond)
+        if noise is None:
+            noise = self.initial_noise(n, generator)
+        elif tuple(noise.shape) != (n, *self.noise_shape):
+            raise ValueError(f"noise must be [{n}, {self.horizon}, {self.action_dim}], got {list(noise.shape)}")
+        return self.unnormalize_action(self.sample(cond, noise.to(cond)))
+
+    def set_num_inference_steps(self, steps: int) -> None:
+        """Change K; sampling and every step method follow the new grid."""
+        self.num_inference_steps = int(steps)
+        self.config["num_inference_steps"] = int(steps)
+
+    # ------------------------------------------------------------------ per policy
+    def timesteps(self) -> Tensor:
+        """The K times (network inputs) at which steps 0..K-1 start."""
+        raise NotImplementedError
+
+    def denoise_step(self, x: Tensor, i: int, cond: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def step_mean_std(
+        self, x: Tensor, i: int, cond: Tensor, noise_level: float | Tensor
+    ) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def bc_loss(self, batch: dict[str, Tensor]) -> Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def _expand_time(t: Tensor | float | int, n: int, device: torch.device) -> Tensor:
+        t = torch.as_tensor(t, dtype=torch.float32, device=device)
+        return t.expand(n) if t.ndim == 0 else t.reshape(n)

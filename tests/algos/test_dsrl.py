@@ -1,0 +1,147 @@
+"""DSRL / DSRL-NA: the noise VecEnv, sampler calls per step, the noise bound, frozen base weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from embodied_rl import envs
+from embodied_rl.actors.latent_noise import LatentNoiseVecEnv, LayerNormSACPolicy, NoiseActorAgent
+from embodied_rl.algos.dsrl import DSRL, make_dsrl
+from embodied_rl.data.normalizer import Normalizer
+from embodied_rl.policies import make_policy
+
+
+def tiny_policy(obs_dim: int = 8, action_dim: int = 2, seed: int = 0):
+    torch.manual_seed(seed)
+    normalizer = Normalizer.empty_like({"obs": obs_dim, "action": action_dim})
+    policy = make_policy(
+        "flow", obs_dim=obs_dim, action_dim=action_dim, normalizer=normalizer, n_obs_steps=2,
+        horizon=4, n_action_steps=2, num_inference_steps=2, backbone_kwargs={"hidden_dim": 16, "num_blocks": 1},
+    )
+    return policy.eval().requires_grad_(False)
+
+
+class CountingPolicy:
+    """Wraps a ChunkPolicy and counts predict_chunk calls and the noises it saw."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.calls = 0
+        self.max_abs_noise = 0.0
+
+    def predict_chunk(self, obs, noise=None, generator=None):
+        self.calls += 1
+        if noise is not None:
+            self.max_abs_noise = max(self.max_abs_noise, float(noise.abs().max()))
+        return self.policy.predict_chunk(obs, noise=noise, generator=generator)
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+
+def algo_cfg(name: str = "dsrl", **overrides):
+    cfg = dict(
+        name=name, noise_bound=1.5, lr=1e-3, buffer_size=10_000, batch_size=32, tau=0.01, gamma=0.99,
+        utd_ratio=0.5, ent_coef="auto", target_entropy="auto", hidden_sizes=[16, 16], n_critics=2,
+        action_critics=2, warmup_env_steps=0, critic_only_steps=0,
+    )
+    cfg.update(overrides)
+    return OmegaConf.create(cfg)
+
+
+def make_vec_env(policy, num_envs: int = 4, noise_bound: float = 1.5):
+    env = envs.make("reach", num_envs=num_envs, seed=0)
+    return LatentNoiseVecEnv(env, policy, noise_bound=noise_bound, seed=0)
+
+
+def test_vec_env_spaces_and_sb3_semantics():
+    policy = tiny_policy()
+    vec_env = make_vec_env(policy, noise_bound=1.2)
+    assert vec_env.action_space.shape == (4 * 2,)
+    assert np.allclose(vec_env.action_space.high, 1.2)
+    obs = vec_env.reset()
+    assert obs.shape == (4, 8) and obs.dtype == np.float32
+    saw_done = False
+    for _ in range(40):  # reach: 50 steps per episode, 2 executed actions per VecEnv step
+        obs, reward, done, infos = vec_env.step(np.zeros((4, 8), np.float32))
+        assert reward.shape == (4,) and done.shape == (4,)
+        for i in np.flatnonzero(done):
+            saw_done = True
+            assert infos[i]["terminal_observation"].shape == (8,)
+            assert "TimeLimit.truncated" in infos[i]
+    assert saw_done
+    assert vec_env.env_steps == 40 * 2 * 4 or vec_env.env_steps < 40 * 2 * 4  # chunks cut short at episode ends
+
+
+def test_each_env_step_denoises_exactly_once():
+    counting = CountingPolicy(tiny_policy())
+    vec_env = make_vec_env(counting)
+    model = make_dsrl(algo_cfg(warmup_env_steps=16), vec_env, seed=0)
+    model.learn(total_timesteps=4 * 12)  # 12 VecEnv steps: warm-up, then full SAC updates
+    assert model.noise_env.sampler_calls == 12
+    assert counting.calls == 12  # SB3's SAC update never runs the sampler: one call per step
+
+
+@pytest.mark.parametrize("variant", ["dsrl", "dsrl_na"])
+def test_noise_bound_honoured_and_base_weights_frozen(variant):
+    base = tiny_policy()
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    counting = CountingPolicy(base)
+    vec_env = make_vec_env(counting, noise_bound=0.5)
+    model = make_dsrl(algo_cfg(variant, noise_bound=0.5, warmup_env_steps=8, critic_only_steps=8), vec_env, seed=0)
+    model.learn(total_timesteps=4 * 10)
+    assert counting.max_abs_noise <= 0.5 + 1e-6
+    assert model.replay_buffer.actions.max() <= 1.0 + 1e-6  # SB3 stores actions scaled by the bound
+    for key, value in base.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    if variant == "dsrl_na":
+        assert counting.calls > model.noise_env.sampler_calls  # NA re-runs the sampler in its update
+
+
+def test_layer_norm_policy_has_layer_norms():
+    policy = tiny_policy()
+    vec_env = make_vec_env(policy)
+    model = make_dsrl(algo_cfg(), vec_env, seed=0)
+    assert isinstance(model, DSRL) and isinstance(model.policy, LayerNormSACPolicy)
+    actor_norms = [m for m in model.actor.latent_pi if isinstance(m, torch.nn.LayerNorm)]
+    critic_norms = [m for m in model.critic.qf0 if isinstance(m, torch.nn.LayerNorm)]
+    assert len(actor_norms) == 2 and len(critic_norms) == 2
+    assert len(list(model.critic.parameters())) == len(list(model.critic_target.parameters()))
+
+
+def test_wsrl_stages_keep_actor_fixed_until_full_phase():
+    policy = tiny_policy()
+    vec_env = make_vec_env(policy)
+    model = make_dsrl(algo_cfg(warmup_env_steps=24, critic_only_steps=24), vec_env, seed=0)
+    actor_before = [p.clone() for p in model.actor.parameters()]
+    critic_before = [p.clone() for p in model.critic.parameters()]
+    model.learn(total_timesteps=4 * 5)  # 5 steps x 4 envs x 2 actions = 40 env steps < 48
+    assert vec_env.env_steps <= 48
+    assert all(torch.equal(a, b) for a, b in zip(actor_before, model.actor.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(critic_before, model.critic.parameters()))
+    model.learn(total_timesteps=4 * 4, reset_num_timesteps=False)
+    assert not all(torch.equal(a, b) for a, b in zip(actor_before, model.actor.parameters()))
+
+
+def test_noise_actor_agent_replans_per_env():
+    counting = CountingPolicy(tiny_policy())
+    vec_env = make_vec_env(counting)
+    model = make_dsrl(algo_cfg(), vec_env, seed=0)
+    from embodied_rl.algos.dsrl import noise_agent_factory
+
+    agent = noise_agent_factory(model, counting)(4)
+    assert isinstance(agent, NoiseActorAgent)
+    obs = torch.randn(4, 8)
+    agent.reset(torch.ones(4, dtype=torch.bool))
+    a1 = agent.act(obs)
+    a2 = agent.act(obs)
+    assert a1.shape == (4, 2) and counting.calls == 1  # one chunk serves n_action_steps=2 steps
+    agent.act(obs)
+    assert counting.calls == 2
+    agent.reset(torch.tensor([True, False, False, False]))
+    agent.act(obs)  # env 0 replans on its own (others still hold one queued action)
+    assert counting.calls == 3
+    assert torch.isfinite(a2).all()

@@ -1,0 +1,177 @@
+"""Residual off-policy RL (ResFiT): n-step returns, random-pair targets, queues, demos, the loop."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from embodied_rl import envs
+from embodied_rl.actors.residual_offpolicy import BaseActionQueue, ResidualActor, load_agent
+from embodied_rl.algos.sac import demo_transitions, finetune, nstep_returns, random_pair_min
+from embodied_rl.data.dataset import DemoDataset, write_demos
+from embodied_rl.runs import Run
+from tests.algos.test_dsrl import CountingPolicy, tiny_policy
+
+G = 0.9
+
+
+def test_nstep_returns_truncation_and_termination():
+    # 3 envs, n = 3. env 0: no episode end; env 1: truncated at step 1; env 2: terminated at step 0
+    rewards = torch.tensor([[1.0, 1.0, 5.0], [2.0, 2.0, 7.0], [4.0, 4.0, 9.0]])
+    terminated = torch.tensor([[False, False, True], [False, False, False], [False, False, False]])
+    truncated = torch.tensor([[False, False, False], [False, True, False], [False, False, False]])
+    ret, discount, last = nstep_returns(rewards, terminated, truncated, G)
+    assert torch.allclose(ret, torch.tensor([1 + G * 2 + G * G * 4, 1 + G * 2, 5.0]))
+    # truncation bootstraps (from final_obs of step 1) with gamma^2; termination does not bootstrap
+    assert torch.allclose(discount, torch.tensor([G**3, G**2, 0.0]))
+    assert last.tolist() == [2, 1, 0]
+
+
+def test_nstep_returns_ignore_the_next_episode():
+    # an episode ends at step 0; the rewards of the next episode (steps 1, 2) must not leak in
+    rewards = torch.tensor([[1.0], [100.0], [100.0]])
+    truncated = torch.tensor([[True], [False], [False]])
+    ret, discount, last = nstep_returns(rewards, torch.zeros_like(truncated), truncated, G)
+    assert ret.item() == pytest.approx(1.0) and discount.item() == pytest.approx(G) and last.item() == 0
+
+
+def test_random_pair_minimum():
+    q = torch.stack([torch.full((5,), float(i)) for i in range(10)])  # critic i predicts i
+    seen = set()
+    for seed in range(50):
+        out = random_pair_min(q, torch.Generator().manual_seed(seed))
+        value = out[0].item()
+        assert torch.all(out == value)  # one pair for the whole batch
+        seen.add(value)
+        assert value < 9  # the min of two distinct critics is never the largest one
+    assert len(seen) > 3  # the pair is random, not always the same two critics
+    # with two critics it is the plain minimum
+    two = torch.tensor([[1.0, 5.0], [3.0, 2.0]])
+    assert torch.equal(random_pair_min(two), torch.tensor([1.0, 2.0]))
+
+
+def test_residual_actor_starts_at_zero_and_is_bounded():
+    actor = ResidualActor(8, 2, [16, 16], scale=0.3, stochastic=True)
+    obs, base = torch.randn(64, 8), torch.randn(64, 2)
+    assert torch.equal(actor(obs, base), torch.zeros(64, 2))
+    with torch.no_grad():
+        actor.trunk[-1].bias.fill_(50.0)
+    sampled, log_prob = actor.sample(obs, base)
+    assert sampled.abs().max() <= 0.3 + 1e-6 and torch.isfinite(log_prob).all()
+
+
+def test_base_queue_resets_per_env_and_peeks_without_side_effects():
+    counting = CountingPolicy(tiny_policy())  # n_action_steps = 2
+    queue = BaseActionQueue(counting, num_envs=3)
+    obs = torch.randn(3, 8)
+    queue.act(obs)
+    assert counting.calls == 1
+    queue.act(obs)  # second action of the chunk: no replan
+    assert counting.calls == 1
+    index = queue.index.clone()
+    peeked = queue.peek(obs, torch.tensor([True, False, False]))  # queue empty -> one plan
+    assert counting.calls == 2 and torch.equal(queue.index, index)
+    assert peeked[1:].abs().sum() == 0
+    queue.reset(torch.tensor([False, True, False]))
+    queue.act(obs)  # every queue is empty now: one call plans all three envs
+    assert counting.calls == 3
+    queue.reset(torch.tensor([False, True, False]))
+    queue.act(obs)  # only env 1 was reset mid-chunk: it replans alone
+    assert counting.calls == 4 and queue.index.tolist() == [2, 1, 2]
+
+
+def make_demos(path, episodes: int = 3, length: int = 12):
+    rng = np.random.default_rng(0)
+    eps = [{"obs": rng.standard_normal((length, 8)).astype(np.float32),
+            "action": rng.uniform(-1, 1, (length, 2)).astype(np.float32),
+            "reward": rng.standard_normal(length).astype(np.float32), "success": i == 0} for i in range(episodes)]
+    return write_demos(path, eps, {"task": "reach", "obs_dim": 8, "action_dim": 2})
+
+
+def test_demo_transitions_relabel_base_actions(tmp_path):
+    dataset = DemoDataset.load(make_demos(tmp_path / "demos"))
+    policy = tiny_policy()
+    demos = demo_transitions(dataset, policy, G, success_terminates=True, device=torch.device("cpu"))
+    # episode 0 succeeded (terminal last step kept), episodes 1 and 2 drop their last step
+    assert len(demos["obs"]) == 12 + 11 + 11
+    assert torch.equal(demos["action"][:12], torch.as_tensor(dataset.action[:12]))
+    assert demos["discount"][11] == 0 and demos["discount"][10] == pytest.approx(G)
+    assert torch.equal(demos["next_obs"][0], torch.as_tensor(dataset.obs[1]))
+    # the base action at step t is the one the queue would execute (chunk replanned every 2 steps)
+    history = torch.as_tensor(dataset.obs[[0, 0]])[None]  # t = 0: first obs repeated
+    chunk = policy.predict_chunk(history, generator=torch.Generator().manual_seed(0))
+    assert demos["base"][0].shape == (2,) and torch.isfinite(demos["base"]).all()
+    assert torch.equal(demos["next_base"][0], demos["base"][1])
+    assert chunk.shape == (1, 4, 2)
+
+
+def sac_cfg(tmp_path, **algo_overrides):
+    algo = dict(
+        name="residual_sac", actor="sac", residual_scale=0.2, actor_hidden_sizes=[16, 16], critic_hidden_sizes=[16, 16],
+        ensemble=4, n_step=3, gamma=0.99, tau=0.01, actor_lr=1e-3, critic_lr=1e-3, batch_size=32,
+        buffer_size=10_000, utd_ratio=0.25, demo_fraction=0.0, data=None, init_alpha=0.01,
+        target_entropy="auto", exploration_noise=0.1, target_noise=0.2, policy_delay=2,
+        warmup_env_steps=40, critic_only_steps=40,
+    )
+    algo.update(algo_overrides)
+    return OmegaConf.create(dict(
+        algo=algo, env_steps=200, num_envs=4, eval_every=100, eval_episodes=4, videos=0, seed=0, device="cpu",
+        backend="mujoco", task={"name": "reach"}, checkpoint=None, run_dir=str(tmp_path / "run"),
+    ))
+
+
+def run_finetune(cfg):
+    env = envs.make("reach", num_envs=int(cfg.num_envs), seed=int(cfg.seed))
+    run = Run(cfg.run_dir, command="finetune", allow_existing=True)
+    headline = finetune(cfg, run, env, tiny_policy())
+    return headline, run
+
+
+def last_layer(path):
+    from embodied_rl.actors.residual_offpolicy import load_tensors
+
+    actor = load_tensors(path, "actor.")
+    last = max(int(k.split(".")[1]) for k in actor if k.startswith("trunk."))
+    return actor[f"trunk.{last}.weight"]
+
+
+@pytest.mark.parametrize("actor", ["sac", "td3"])
+def test_finetune_end_to_end_with_demos(tmp_path, actor):
+    cfg = sac_cfg(tmp_path, actor=actor, demo_fraction=0.5, data=str(make_demos(tmp_path / "demos")),
+                  warmup_env_steps=40, critic_only_steps=40)
+    headline, run = run_finetune(cfg)
+    assert headline["env_steps"] == 200 and 0.0 <= headline["success_rate"] <= 1.0
+    path = run.file("checkpoints", "last")
+    assert json.loads((path / "agent.json").read_text())["kind"] == "residual_sac"
+    assert last_layer(path).abs().sum() > 0  # the actor did learn in the full phase
+    agent = load_agent(path, num_envs=2)
+    agent.reset(torch.ones(2, dtype=torch.bool))
+    action = agent.act(torch.randn(2, 8))
+    assert action.shape == (2, 2) and action.abs().max() <= 1.0
+    phases = [row["train/phase"] for row in run.read_metrics() if "train/phase" in row]
+    assert phases == sorted(phases) and phases[-1] == 2
+
+
+def test_wsrl_stages_actor_unchanged_before_full_phase(tmp_path):
+    cfg = sac_cfg(tmp_path, warmup_env_steps=80, critic_only_steps=200)  # run ends in critic-only
+    _, run = run_finetune(cfg)
+    path = run.file("checkpoints", "last")
+    assert last_layer(path).abs().sum() == 0  # zero-initialised layer never stepped: no actor update
+    rows = [row for row in run.read_metrics() if "train/phase" in row]
+    assert any("train/critic_loss" in row for row in rows)
+    assert not any("train/actor_loss" in row for row in rows)
+
+
+def test_resume_continues_from_last_checkpoint(tmp_path):
+    cfg = sac_cfg(tmp_path, warmup_env_steps=8, critic_only_steps=8)
+    cfg.env_steps = 120
+    run_finetune(cfg)
+    cfg.env_steps = 200
+    headline, run = run_finetune(cfg)
+    assert headline["env_steps"] == 200
+    counters = json.loads(run.file("checkpoints", "last", "training_state", "counters.json").read_text())
+    assert counters["env_steps"] == 200

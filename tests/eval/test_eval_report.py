@@ -1,0 +1,55 @@
+"""Learning-curve plots and the markdown report."""
+
+import imageio.v2 as imageio
+
+from embodied_rl.eval.report import plot_curve, success_table, video_links, write_report
+
+
+def overall(rate, n=10, has_success=True):
+    return {
+        "n_episodes": n,
+        "success_rate": rate if has_success else None,
+        "success_ci95": [max(0.0, rate - 0.2), min(1.0, rate + 0.2)] if has_success else None,
+        "avg_sum_reward": 3.5,
+        "sum_reward_ci95": [3.0, 4.0],
+        "avg_episode_length": 42.0,
+    }
+
+
+def test_plot_curve_writes_a_png(tmp_path):
+    rows = [{"step": s, "success_rate": s / 10, "lo": s / 20, "hi": s / 5} for s in range(5)]
+    rows.append({"step": 7, "loss": 1.0})  # rows lacking a key are skipped for that series
+    path = plot_curve(rows, "step", ["success_rate", "loss"], tmp_path / "plots" / "curve.png",
+                      title="curve", bands={"success_rate": ("lo", "hi")})
+    image = imageio.imread(path)
+    assert image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_plot_curve_without_data_raises(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="no rows"):
+        plot_curve([{"step": 1}], "step", "success_rate", tmp_path / "x.png")
+
+
+def test_report_has_before_after_table_and_links(tmp_path):
+    (tmp_path / "plots").mkdir()
+    eval_info = {"per_episode": [
+        {"episode": 0, "success": True, "return": 1.0, "length": 12, "video": "videos/episode_0.mp4"},
+        {"episode": 1, "success": False, "return": 0.0, "length": 30, "video": None},
+    ]}
+    table = success_table({"pretrained": overall(0.3), "finetuned": {"overall": overall(0.8)},
+                           "hopper": overall(0.0, has_success=False)})
+    path = write_report(tmp_path, "Quickstart", [
+        ("Success", table),
+        ("Learning curve", f"![curve]({'plots/curve.png'})"),
+        ("Videos", video_links(eval_info, tmp_path)),
+    ])
+    text = path.read_text()
+    assert text.startswith("# Quickstart\n")
+    assert "| pretrained | 30.0% | [10.0%, 50.0%] | 3.5 | [3, 4] | 42.0 | 10 |" in text
+    assert "| finetuned | 80.0% | [60.0%, 100.0%] |" in text
+    assert "| hopper | - | - | 3.5 |" in text
+    assert "- [episode 0](videos/episode_0.mp4): success, 12 steps" in text
+    assert "episode 1" not in text
+    assert "## Learning curve" in text

@@ -1,0 +1,95 @@
+"""`embodied-rl finetune algo=dsrl|dsrl_na|residual_sac` end to end on reach, then `embodied-rl eval`
+of the fine-tuned checkpoint, resume, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from embodied_rl.cli import main
+from embodied_rl.data.dataset import write_demos
+from embodied_rl.policies import save_policy
+from tests.algos.test_dsrl import tiny_policy
+
+TINY = {
+    "dsrl": ["algo.hidden_sizes=[16,16]", "algo.batch_size=32", "algo.utd_ratio=0.25"],
+    "dsrl_na": ["algo.hidden_sizes=[16,16]", "algo.batch_size=32", "algo.utd_ratio=0.25"],
+    "residual_sac": ["algo.actor_hidden_sizes=[16,16]", "algo.critic_hidden_sizes=[16,16]", "algo.ensemble=4",
+                     "algo.batch_size=32", "algo.utd_ratio=0.25"],
+}
+
+
+@pytest.fixture(scope="module")
+def bc_checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bc")
+    rng = np.random.default_rng(0)
+    episodes = [{"obs": rng.standard_normal((10, 8)).astype(np.float32),
+                 "action": rng.uniform(-1, 1, (10, 2)).astype(np.float32),
+                 "reward": np.zeros(10, np.float32), "success": False} for _ in range(2)]
+    data = write_demos(root / "demos", episodes, {"task": "reach", "obs_dim": 8, "action_dim": 2})
+    return save_policy(tiny_policy(), root / "policy", extra={"dataset": str(data)})
+
+
+def finetune_args(algo, checkpoint, run_dir, env_steps=240):
+    return ["finetune", "task=reach", f"algo={algo}", f"checkpoint={checkpoint}", f"run_dir={run_dir}",
+            "num_envs=4", f"env_steps={env_steps}", "eval_every=120", "eval_episodes=4", "videos=0",
+            "algo.warmup_env_steps=40", "algo.critic_only_steps=40", *TINY[algo]]
+
+
+@pytest.mark.parametrize("algo", ["dsrl", "dsrl_na", "residual_sac"])
+def test_finetune_then_eval_end_to_end(tmp_path, capsys, bc_checkpoint, algo):
+    run_dir = tmp_path / "ft"
+    assert main(finetune_args(algo, bc_checkpoint, run_dir)) == 0
+    out = capsys.readouterr().out
+    assert "success_rate:" in out and f"run_dir: {run_dir}" in out
+    last = run_dir / "checkpoints" / "last"
+    agent = json.loads((last / "agent.json").read_text())
+    assert agent["kind"] == ("residual_sac" if algo == "residual_sac" else "dsrl")
+    assert (last / "base_policy" / "model.safetensors").exists()
+    assert not list(last.rglob("*.zip")) and not list(last.rglob("*.pkl"))  # no SB3 zips / pickles
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [row["step"] for row in metrics if "eval/success_rate" in row]
+    assert evals[0] == 0 and evals[-1] >= 240
+    eval_info = json.loads((run_dir / "eval_info.json").read_text())
+    assert len(eval_info["per_episode"]) == 4
+
+    eval_dir = tmp_path / "eval"
+    code = main(["eval", "task=reach", f"checkpoint={last}", f"run_dir={eval_dir}", "episodes=4",
+                 "num_envs=4", "videos=0"])
+    assert code == 0
+    assert json.loads((eval_dir / "eval_info.json").read_text())["overall"]["n_episodes"] == 4
+
+
+@pytest.mark.parametrize("algo", ["dsrl", "residual_sac"])
+def test_resume_continues_the_run(tmp_path, bc_checkpoint, algo):
+    run_dir = tmp_path / "ft"
+    assert main(finetune_args(algo, bc_checkpoint, run_dir, env_steps=120)) == 0
+    assert main(finetune_args(algo, bc_checkpoint, run_dir, env_steps=240)) == 0
+    counters = json.loads((run_dir / "checkpoints" / "last" / "training_state" / "counters.json").read_text())
+    assert counters["env_steps"] >= 240
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps.count(0) <= 1 + sum(1 for s in steps if s == 0)  # no second step-0 evaluation on resume
+    evals0 = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sum(1 for row in evals0 if row["step"] == 0 and "eval/success_rate" in row) == 1
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algo.utd_ratio=0", "utd_ratio"),
+    ("algo.noise_bound=0", "noise_bound"),
+    ("algo.target_entropy=lots", "target_entropy"),
+])
+def test_bad_dsrl_config_exits_2(tmp_path, capsys, bc_checkpoint, override, message):
+    args = finetune_args("dsrl", bc_checkpoint, tmp_path / "ft") + [override]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_residual_config_exits_2(tmp_path, capsys, bc_checkpoint):
+    args = finetune_args("residual_sac", bc_checkpoint, tmp_path / "ft") + ["algo.actor=ppo"]
+    assert main(args) == 2
+    assert "algo.actor" in capsys.readouterr().err
+    args = finetune_args("residual_sac", bc_checkpoint, tmp_path / "ft2") + [f"algo.data={tmp_path / 'missing'}"]
+    assert main(args) == 2
+    assert "algo.data" in capsys.readouterr().err
