@@ -124,3 +124,28 @@ def test_eval_task_mismatch_exits_2(tmp_path, reach_checkpoint, capsys):
     err = capsys.readouterr().err
     assert "trained on task 'reach' but task=push_t" in err and len(err.strip().splitlines()) == 1
     assert not run_dir.exists()
+
+
+def test_eval_reward_only_task(tmp_path, capsys):
+    """hopper has no success test: success fields are null, the return interval stands in."""
+    torch = pytest.importorskip("torch")
+    envs = pytest.importorskip("embodied_rl.envs")
+    policies = pytest.importorskip("embodied_rl.policies")
+    task = envs.make_task("hopper")
+    torch.manual_seed(0)
+    policy = policies.make_policy(
+        "flow", obs_dim=task.obs_dim, action_dim=task.action_dim, horizon=4, n_obs_steps=1,
+        n_action_steps=4, num_inference_steps=2, task="hopper",
+    )
+    checkpoint = policies.save_policy(policy, tmp_path / "policy")
+    info, run_dir = run_eval(tmp_path, "run", f"checkpoint={checkpoint}", "episodes=3", "videos=1",
+                             "video_size=64")
+    overall = info["overall"]
+    assert info["task"] == "hopper" and overall["has_success"] is False
+    assert overall["pc_success"] is None and overall["success_ci95"] is None
+    assert all(e["success"] is None for e in info["per_episode"])
+    low, high = overall["sum_reward_ci95"]
+    assert low <= overall["avg_sum_reward"] <= high
+    out = capsys.readouterr().out
+    assert "pc_success" not in out and "sum_reward_ci95:" in out
+    assert (run_dir / "videos" / "episode_0.mp4").is_file()

@@ -108,11 +108,8 @@ def collect_grpo(env, henv, actor, group_size: int, max_mdp_steps: int):
     batch["stash"] = stash
     group_ids = torch.arange(n, device=obs.device) // group_size
     advantages = core.group_advantages(episode_return, group_ids)
-    spread = torch.zeros(n // group_size, device=obs.device).index_reduce_(
-        0, group_ids, episode_return, "amax", include_self=False
-    ) - torch.zeros(n // group_size, device=obs.device).index_reduce_(
-        0, group_ids, episode_return, "amin", include_self=False
-    )
+    per_group = episode_return.view(-1, group_size)  # groups are consecutive envs
+    spread = per_group.max(dim=1).values - per_group.min(dim=1).values
     informative = (spread > 1e-6)[group_ids]  # groups with one return for all teach nothing
     batch["valid"] = batch["valid"] * informative.float()[None]
     batch["advantage"] = advantages[None].expand_as(batch["valid"]) * batch["valid"]
@@ -254,7 +251,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
                 torch.nn.utils.clip_grad_norm_(actor.parameters(), float(algo.max_grad_norm))
                 optimizer.step()
                 for key, value in losses.items():
-                    metrics.setdefault(key, []).append(float(value))
+                    metrics.setdefault(key, []).append(float(value.detach()))
             kl = metrics.get("approx_kl", [0.0])
             if algo.target_kl is not None and not critic_only and kl and kl[-1] > float(algo.target_kl):
                 stop = True

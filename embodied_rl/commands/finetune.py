@@ -41,6 +41,9 @@ def validate(cfg: DictConfig) -> Path:
             raise UserError(f"{key} must be >= 1, got {cfg[key]}")
     if int(cfg.eval_every) < 0:
         raise UserError(f"eval_every must be >= 0, got {cfg.eval_every}")
+    group_size = int(cfg.algo.get("group_size", 0) or 0)
+    if group_size > 1 and int(cfg.num_envs) % group_size:
+        raise UserError(f"num_envs={cfg.num_envs} must be a multiple of algo.group_size={group_size}")
     if not 0 <= int(cfg.videos) <= int(cfg.eval_episodes):
         raise UserError(f"videos must be in [0, eval_episodes={cfg.eval_episodes}], got {cfg.videos}")
     return resolve_checkpoint(Path(str(cfg.checkpoint)).expanduser())

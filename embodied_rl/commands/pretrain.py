@@ -107,6 +107,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     if task and data_task and data_task != task:
         raise UserError(f"dataset '{cfg.data}' was collected on task '{data_task}' but task={task}; pass task={data_task}")
     obs_mode = cfg.obs if cfg.get("obs") is not None else cfg.policy.obs_mode
+    if obs_mode == "pixels" and dataset.pixels is None:
+        raise UserError(f"obs=pixels but dataset '{cfg.data}' has no pixels (collect it with pixels=true)")
     torch.manual_seed(int(cfg.seed))
     policy = build_policy(cfg, dataset, obs_mode, task)
     windows = ChunkWindows(dataset, policy.n_obs_steps, policy.horizon, obs_mode=obs_mode)

@@ -1,0 +1,88 @@
+"""`embodied-rl finetune` end to end on the tiny `reach` task: every on-policy algorithm, resume,
+evaluation of the fine-tuned checkpoint, bad input."""
+
+import json
+
+import pytest
+import torch
+
+from embodied_rl.cli import main
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from embodied_rl.policies import make_policy, save_policy
+
+    root = tmp_path_factory.mktemp("bc")
+    torch.manual_seed(0)
+    for policy_type, steps in (("diffusion", 3), ("flow", 2)):
+        policy = make_policy(policy_type, obs_dim=8, action_dim=2, n_obs_steps=2, horizon=4, n_action_steps=2,
+                             num_inference_steps=steps, task="reach",
+                             backbone_kwargs=dict(hidden_dim=16, num_blocks=1, time_dim=8))
+        save_policy(policy, root / policy_type)
+    return root
+
+
+TINY = ["task=reach", "num_envs=4", "eval_episodes=4", "videos=0", "algo.actor_kwargs.critic_hidden=16"]
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("algo,policy,extra", [
+    ("residual_ppo", "flow", ["algo.num_steps=25", "algo.actor_kwargs.hidden=16"]),
+    ("dppo", "diffusion", ["algo.num_steps=8", "algo.actor_kwargs.ft_denoising_steps=1"]),
+    ("reinflow", "flow", ["algo.num_steps=8"]),
+    ("flow_sde", "flow", ["algo.num_steps=8"]),
+    ("grpo", "flow", ["algo.group_size=2"]),
+])
+def test_every_on_policy_algorithm_runs_end_to_end(algo, policy, extra, checkpoints, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code = main(["finetune", f"algo={algo}", f"checkpoint={checkpoints / policy}", "env_steps=200",
+                 "eval_every=100", f"run_dir={run_dir}", *TINY, *extra])
+    assert code == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "success_rate" in out and str(run_dir) in out
+    rows = metrics(run_dir)
+    train = [r for r in rows if "train/iteration" in r]
+    assert train and all(r["train/first_minibatch_ratio_dev"] < 1e-5 for r in train if "train/first_minibatch_ratio_dev" in r)
+    assert [r["step"] for r in rows if "eval/success_rate" in r][0] == 0  # the base policy is step 0
+    assert (run_dir / "checkpoints" / "last" / "agent.json").exists()
+    assert (run_dir / "eval_info.json").exists()
+    # the fine-tuned checkpoint evaluates with `embodied-rl eval`
+    code = main(["eval", "task=reach", f"checkpoint={run_dir / 'checkpoints' / 'last'}", "episodes=2",
+                 "num_envs=2", "videos=0", f"run_dir={tmp_path / 'eval'}"])
+    assert code == 0, capsys.readouterr().err
+
+
+def test_a_stopped_run_resumes_and_its_step_counter_continues(checkpoints, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    common = ["algo=reinflow", f"checkpoint={checkpoints / 'flow'}", "eval_every=0", f"run_dir={run_dir}",
+              "algo.num_steps=4", "algo.checkpoint_every=1", *TINY]
+    assert main(["finetune", "env_steps=64", *common]) == 0  # stops after 2 iterations of 32 steps
+    state = json.loads((run_dir / "checkpoints/last/training_state/counters.json").read_text())
+    assert state["iteration"] == 2 and state["env_steps"] == 64
+    assert main(["finetune", "env_steps=128", *common]) == 0
+    assert "resuming" in capsys.readouterr().out
+    steps = [r["step"] for r in metrics(run_dir) if "train/iteration" in r]
+    assert steps == [32, 64, 96, 128]
+    iterations = [r["train/iteration"] for r in metrics(run_dir) if "train/iteration" in r]
+    assert iterations == [1, 2, 3, 4]
+
+
+def test_bad_input_is_one_line(checkpoints, tmp_path, capsys):
+    assert main(["finetune", "task=reach"]) == 2
+    assert "checkpoint" in capsys.readouterr().err
+    assert main(["finetune", "task=reach", f"checkpoint={tmp_path / 'nope'}"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["finetune", "task=push_t", f"checkpoint={checkpoints / 'flow'}", f"run_dir={tmp_path / 'r'}"]) == 2
+    assert "reach" in capsys.readouterr().err
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "precious.txt").write_text("keep me")
+    assert main(["finetune", "task=reach", f"checkpoint={checkpoints / 'flow'}", f"run_dir={tmp_path / 'other'}"]) == 2
+    assert "run_dir" in capsys.readouterr().err
+    assert (tmp_path / "other" / "precious.txt").read_text() == "keep me"
+    assert main(["finetune", "task=reach", "algo=grpo", "num_envs=3", f"checkpoint={checkpoints / 'flow'}",
+                 f"run_dir={tmp_path / 'g'}"]) == 2
+    assert "group_size" in capsys.readouterr().err
