@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from embodied_rl.actors.base import ActorOutput, ChainActor, gaussian_entropy, gaussian_logprob, mlp
 

@@ -29,7 +29,13 @@ from omegaconf import OmegaConf
 from embodied_rl import core
 from embodied_rl.actors import load_weights, make_actor
 from embodied_rl.actors.base import ActorAgent, HistoryEnv, ObsHistory
-from embodied_rl.algos.common import Evaluator, headline_from_eval, load_training_state, restore, save_checkpoint
+from embodied_rl.algos.common import (
+    Evaluator,
+    headline_from_eval,
+    load_training_state,
+    restore,
+    save_checkpoint,
+)
 from embodied_rl.envs.api import step_chunk
 from embodied_rl.errors import UserError
 from embodied_rl.runs import progress

@@ -27,7 +27,7 @@ def validate(cfg: DictConfig) -> Path:
         raise UserError(f"checkpoint '{path}' does not exist")
     if int(cfg.episodes) < 1:
         raise UserError(f"episodes must be >= 1, got {cfg.episodes}")
-    if not 0 <= int(cfg.videos) <= int(cfg.episodes):
+    if cfg.videos is not None and not 0 <= int(cfg.videos) <= int(cfg.episodes):
         raise UserError(f"videos must be in [0, episodes={cfg.episodes}], got {cfg.videos}")
     if int(cfg.num_envs) < 1:
         raise UserError(f"num_envs must be >= 1, got {cfg.num_envs}")
@@ -99,7 +99,9 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     from embodied_rl.eval.evaluate import evaluate, format_headline
     from embodied_rl.policies import PolicyRunner
 
-    episodes, videos = int(cfg.episodes), int(cfg.videos)
+    episodes = int(cfg.episodes)
+    # The default (videos unset) records up to 4 episodes, never more than are run.
+    videos = min(4, episodes) if cfg.videos is None else int(cfg.videos)
     num_envs = min(int(cfg.num_envs), episodes)
     env = envs.make(
         task, num_envs=num_envs, backend=cfg.backend, device=cfg.device, seed=int(cfg.seed),

@@ -219,9 +219,8 @@ class BatchedEnv:
             raise ValueError(f"action must have shape {expected} (num_envs, action_dim), got {tuple(action.shape)}")
         if not action.is_floating_point():
             raise ValueError(f"action must be a floating-point tensor of shape {expected}, got dtype {action.dtype}")
-        finite = torch.isfinite(action).all(dim=1)
-        if not bool(finite.all()):
-            bad = torch.nonzero(~finite).flatten().tolist()[:8]
+        if not bool(torch.isfinite(action).all()):
+            bad = torch.nonzero(~torch.isfinite(action).all(dim=1)).flatten().tolist()[:8]
             raise ValueError(f"action contains NaN or inf (envs {bad})")
         return action.to(device=self.device, dtype=torch.float32).clamp(-1.0, 1.0)
 
@@ -362,6 +361,13 @@ class SimBatchedEnv(BatchedEnv):
     def _render_frames(self, env_ids: Tensor, size: int) -> Tensor:
         raise NotImplementedError
 
+    def _state_is_finite(self) -> Tensor:
+        """bool[N] on sim_device: qpos, qvel and sensordata all finite (a backend may override
+        this with one call over its own buffers)."""
+        state = self.state
+        finite = torch.isfinite(state.qpos).all(dim=1) & torch.isfinite(state.qvel).all(dim=1)
+        return finite & torch.isfinite(state.sensordata).all(dim=1)
+
     # ---- the contract ----
     def _observe(self, env_ids: Tensor | None = None) -> Obs:
         state_obs = self.task.observe(self.state).to(device=self.device, dtype=torch.float32)
@@ -417,38 +423,34 @@ class SimBatchedEnv(BatchedEnv):
             raise RuntimeError("call reset() before step()")
         action = self.check_action(action)
         sim_action = action.to(self.sim_device)
-        unstable = self._step_physics(self.task.action_to_ctrl(sim_action)).to(self.device)
-        state = self.state
-        finite = torch.ones(self.num_envs, dtype=torch.bool, device=self.sim_device)
-        for buffer in (state.qpos, state.qvel, state.sensordata):
-            finite &= torch.isfinite(buffer).all(dim=1)
-        unstable |= ~finite.to(self.device)
-
-        reward, success, failure = self.task.evaluate(state, sim_action)
+        unstable = self._step_physics(self.task.action_to_ctrl(sim_action))
+        unstable = (unstable | ~self._state_is_finite()).to(self.device)
+        reward, success, failure = self.task.evaluate(self.state, sim_action)
         reward = reward.to(device=self.device, dtype=torch.float32)
-        success = success.to(self.device) & ~unstable
-        failure = failure.to(self.device) & ~unstable
-        reward = torch.where(unstable, torch.zeros_like(reward), reward)
+        success, failure = success.to(self.device), failure.to(self.device)
         obs = self._observe()
         if bool(unstable.any()):
+            reward = reward.masked_fill(unstable, 0.0)
+            success, failure = success & ~unstable, failure & ~unstable
             # keep the last finite observation of the broken envs (what a bootstrap can use)
             bad = torch.nonzero(unstable).flatten()
             _assign_obs(obs, bad, _index_obs(self._obs, bad))
             self.unstable_resets += len(bad)
 
         self.elapsed += 1
-        terminated = failure | (success & self.task.success_terminates)
+        terminated = (failure | success) if self.task.success_terminates else failure
         truncated = ((self.elapsed >= self.max_episode_steps) | unstable) & ~terminated
         self.stats.update(reward, success)
         done = terminated | truncated
         info: dict[str, Any] = {
             "success": success,
             "unstable": unstable,
-            "_final": done.clone(),
-            "final_obs": clone_obs(obs),
+            "_final": done,
+            "final_obs": obs,  # a fresh tensor every step; the returned obs is a copy
             "_episode": done.clone(),
             "episode": self.stats.snapshot(),
         }
+        obs = clone_obs(obs)
         if bool(done.any()):
             done_ids = torch.nonzero(done).flatten()
             self._reset_envs(done_ids.cpu())

@@ -83,7 +83,7 @@ def test_push_t_success_only_at_the_target_pose():
     start = initial_state(task)
     _, success, _ = task.evaluate(start, torch.zeros(1, 2))
     assert not success.any()
-    solved = torch.zeros(task.nq if hasattr(task, "nq") else 5)
+    solved = torch.zeros(task.nq)
     solved[task.block_x], solved[task.block_y] = 0.012, -0.008  # 1.4 cm off
     solved[task.block_yaw] = math.pi / 4 + math.radians(7)
     solved[task.pusher_x], solved[task.pusher_y] = 0.2, 0.2

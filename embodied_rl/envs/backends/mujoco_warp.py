@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -66,6 +67,9 @@ class MujocoWarpEnv(SimBatchedEnv):
         except Exception as error:  # warp raises RuntimeError/ValueError for an absent device
             raise UserError(f"Warp cannot use device '{device}': {error}") from None
         self.sim_device = device
+        use_graph = self.wp_device.is_cuda if cuda_graph is None else bool(cuda_graph)
+        if use_graph and not self.wp_device.is_cuda:
+            raise UserError("cuda_graph=True needs a CUDA device")
 
         model = task.load_model()
         super().__init__(task, model, num_envs, device, seed, obs_mode, image_size, render_size)
@@ -92,9 +96,7 @@ class MujocoWarpEnv(SimBatchedEnv):
         self._graph = None
         with wp.ScopedDevice(self.wp_device):
             self._substep_loop()
-            if self.wp_device.is_cuda if cuda_graph is None else cuda_graph:
-                if not self.wp_device.is_cuda:
-                    raise UserError("cuda_graph=True needs a CUDA device")
+            if use_graph:
                 with wp.ScopedCapture() as capture:
                     self._substep_loop()
                 self._graph = capture.graph
@@ -114,31 +116,46 @@ class MujocoWarpEnv(SimBatchedEnv):
             mjw.step(m, d)
         mjw.step1(m, d)
 
+    def _torch_done(self) -> None:
+        """Make torch's pending writes to the shared buffers visible to Warp (CUDA: torch and
+        Warp run on different streams; a host sync keeps it simple and correct)."""
+        if self.sim_device.type == "cuda":
+            torch.cuda.current_stream(self.sim_device).synchronize()
+
+    def _warp_done(self) -> None:
+        """Make Warp's results visible to torch."""
+        if self.sim_device.type == "cuda":
+            self._wp.synchronize_device(self.wp_device)
+
     def _write_state(self, env_ids: Tensor, qpos: Tensor, qvel: Tensor) -> None:
         ids = env_ids.to(self.sim_device)
+        wp, mjw = self._wp, self._mjw
         # reset_data clears everything of those worlds (ctrl, act, time, warmstart, applied
         # forces, mocap); then the sampled state goes in through the torch views.
         self._reset_mask_torch.zero_()
         self._reset_mask_torch[ids] = True
-        with self._wp.ScopedDevice(self.wp_device):
-            self._mjw.reset_data(self.wp_model, self.wp_data, reset=self._reset_mask)
-            self._state.qpos[ids] = qpos.to(self.sim_device, torch.float32)
-            self._state.qvel[ids] = qvel.to(self.sim_device, torch.float32)
-            # forward recomputes the derived quantities (sensordata) of every world; the others'
-            # states are unchanged, so their values come out the same.
-            self._mjw.forward(self.wp_model, self.wp_data)
+        self._torch_done()
+        with wp.ScopedDevice(self.wp_device):
+            mjw.reset_data(self.wp_model, self.wp_data, reset=self._reset_mask)
+        self._warp_done()
+        self._state.qpos[ids] = qpos.to(self.sim_device, torch.float32)
+        self._state.qvel[ids] = qvel.to(self.sim_device, torch.float32)
+        self._torch_done()
+        # forward recomputes the derived quantities (sensordata) of every world; the others'
+        # states are unchanged, so their values come out the same.
+        with wp.ScopedDevice(self.wp_device):
+            mjw.forward(self.wp_model, self.wp_data)
+        self._warp_done()
 
     def _step_physics(self, ctrl: Tensor) -> Tensor:
         self._state.ctrl.copy_(ctrl.to(self.sim_device, torch.float32))
+        self._torch_done()
         with self._wp.ScopedDevice(self.wp_device):
             if self._graph is not None:
-                # torch wrote ctrl on its current stream; make Warp's stream wait for it
-                if self.sim_device.type == "cuda":
-                    torch.cuda.current_stream(self.sim_device).synchronize()
                 self._wp.capture_launch(self._graph)
-                self._wp.synchronize_device(self.wp_device)
             else:
                 self._substep_loop()
+        self._warp_done()
         # no per-world warnings in MuJoCo Warp: SimBatchedEnv's NaN/inf check does the work
         return torch.zeros(self.num_envs, dtype=torch.bool, device=self.sim_device)
 
@@ -146,10 +163,9 @@ class MujocoWarpEnv(SimBatchedEnv):
     _renderer = MujocoCpuEnv._renderer
 
     def _render_frames(self, env_ids: Tensor, size: int) -> Tensor:
-        import numpy as np
-
         mujoco, data = self._mujoco, self._render_data
         ids = env_ids.to(self.sim_device)
+        self._warp_done()
         qpos = self._state.qpos[ids].double().cpu().numpy()
         qvel = self._state.qvel[ids].double().cpu().numpy()
         renderer = self._renderer(size)

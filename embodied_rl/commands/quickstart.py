@@ -1,0 +1,124 @@
+"""`embodied-rl quickstart`: the whole journey on the default task, in one run directory.
+
+    <run_dir>/1_collect/             scripted expert demos            (commands/collect.py)
+              2_pretrain/            BC policy                        (commands/pretrain.py)
+              3_eval_pretrained/     success rate before RL           (commands/evaluate.py)
+              4_finetune/            RL fine-tuning                   (commands/finetune.py)
+              5_eval_finetuned/      success rate after RL            (commands/evaluate.py)
+              report.md  plots/learning_curve.png
+
+Each stage is the command's own `main(cfg)` with a composed config, so it writes exactly what
+the command would. A stage whose output already exists is skipped, so re-running a killed
+quickstart with the same run_dir goes on where it stopped (fine-tuning resumes itself).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from embodied_rl.errors import UserError
+
+
+def run_stage(command: str, module: str, overrides: list[str], run_dir: Path, done: str,
+              resumable: bool = False) -> Path:
+    """Compose `command`'s config with `overrides` and run it in `run_dir`, unless the file
+    `run_dir/done` shows it finished. An unfinished stage starts over (`resumable`: finetune
+    continues from its own checkpoints/last instead)."""
+    if (run_dir / done).exists():
+        print(f"[quickstart] {command}: done already ({run_dir})")
+        return run_dir
+    if run_dir.exists() and not resumable:
+        shutil.rmtree(run_dir)  # a stage killed half-way: its partial output is worthless
+    from embodied_rl.cli import compose
+
+    print(f"[quickstart] {command} -> {run_dir}", flush=True)
+    cfg = compose(command, [*overrides, f"run_dir={run_dir}"])
+    importlib.import_module(module).main(cfg)
+    return run_dir
+
+
+def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
+    for key in ("demos", "finetune_env_steps", "finetune_num_envs", "eval_episodes", "finetune_eval_episodes"):
+        if int(cfg[key]) < 1:
+            raise UserError(f"{key} must be >= 1, got {cfg[key]}")
+    from embodied_rl.commands import start_run
+
+    run = start_run(cfg, "quickstart", allow_existing=bool(cfg.run_dir))
+    root = run.path
+    task = cfg.task.name
+    sim = [f"task={task}", f"seed={cfg.seed}", f"backend={cfg.backend}", f"device={cfg.device}"]
+    started = time.perf_counter()
+
+    collect_dir = run_stage("collect", "embodied_rl.commands.collect", [*sim, f"demos={cfg.demos}"],
+                            root / "1_collect", "collect_info.json")
+    pretrain = [*sim, f"policy={cfg.policy}", f"data={collect_dir / 'demos.zarr'}", "eval_episodes=0", "videos=0"]
+    if cfg.pretrain_steps is not None:
+        pretrain.append(f"steps={int(cfg.pretrain_steps)}")
+    pretrain_dir = run_stage("pretrain", "embodied_rl.commands.pretrain", pretrain,
+                             root / "2_pretrain", "checkpoints/last/config.json")
+    bc_checkpoint = pretrain_dir / "checkpoints" / "last"
+    evaluation = [*sim, f"episodes={cfg.eval_episodes}", f"videos={min(cfg.videos, cfg.eval_episodes)}"]
+    before_dir = run_stage("eval", "embodied_rl.commands.evaluate", [*evaluation, f"checkpoint={bc_checkpoint}"],
+                           root / "3_eval_pretrained", "eval_info.json")
+    finetune = [*sim, f"algo={cfg.algo}", f"checkpoint={bc_checkpoint}", f"env_steps={cfg.finetune_env_steps}",
+                f"num_envs={cfg.finetune_num_envs}", f"eval_every={cfg.finetune_eval_every}",
+                f"eval_episodes={cfg.finetune_eval_episodes}", "videos=0"]
+    finetune_dir = run_stage("finetune", "embodied_rl.commands.finetune", finetune,
+                             root / "4_finetune", "eval_info.json", resumable=True)
+    after_dir = run_stage("eval", "embodied_rl.commands.evaluate",
+                          [*evaluation, f"checkpoint={finetune_dir / 'checkpoints' / 'last'}"],
+                          root / "5_eval_finetuned", "eval_info.json")
+
+    before = json.loads((before_dir / "eval_info.json").read_text())
+    after = json.loads((after_dir / "eval_info.json").read_text())
+    report = write_quickstart_report(root, task, cfg, before, after, finetune_dir, before_dir, after_dir)
+    wall_s = time.perf_counter() - started
+    run.write_json("quickstart_info.json", {"task": task, "before": before["overall"], "after": after["overall"],
+                                            "wall_s": wall_s})
+    run.close()
+    headline: dict[str, Any] = {"task": task}
+    for label, info in (("pretrained", before), ("finetuned", after)):
+        overall = info["overall"]
+        if overall.get("success_rate") is not None:
+            low, high = overall["success_ci95"]
+            headline[f"{label}_success"] = f"{100 * overall['success_rate']:.1f}% [{100 * low:.1f}, {100 * high:.1f}]"
+        headline[f"{label}_return"] = overall["avg_sum_reward"]
+    headline["report"] = str(report)
+    headline["wall_s"] = wall_s
+    return headline, root
+
+
+def write_quickstart_report(root: Path, task: str, cfg: DictConfig, before: dict, after: dict,
+                            finetune_dir: Path, before_dir: Path, after_dir: Path) -> Path:
+    from embodied_rl.eval.report import (
+        image_link,
+        plot_curve,
+        success_table,
+        video_links,
+        write_report,
+    )
+    from embodied_rl.runs import Run
+
+    rows = Run(finetune_dir, allow_existing=True).read_metrics()
+    has_success = before["overall"].get("success_rate") is not None
+    y_key = "eval/success_rate" if has_success else "eval/return"
+    curve = plot_curve(rows, "step", [y_key], root / "plots" / "learning_curve.png",
+                       title=f"{task}: {cfg.algo} fine-tuning (eval every {cfg.finetune_eval_every} env steps)",
+                       bands={"eval/success_rate": ("eval/success_rate_low", "eval/success_rate_high")})
+    sections = [
+        ("Result", success_table({f"pretrained ({cfg.policy} BC)": before["overall"],
+                                  f"fine-tuned ({cfg.algo})": after["overall"]})),
+        ("Learning curve", image_link(curve, root, "learning curve") + "\n\nx: env steps of RL; "
+         "step 0 is the BC policy. Shaded: 95% Wilson interval."),
+        ("Videos: pretrained", video_links(before, root, before_dir)),
+        ("Videos: fine-tuned", video_links(after, root, after_dir)),
+        ("Stages", "\n".join(f"- `{d.name}/`" for d in sorted(root.iterdir()) if d.is_dir() and d.name[0].isdigit())),
+    ]
+    return write_report(root, f"Quickstart: {task}", sections)

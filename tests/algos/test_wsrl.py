@@ -1,0 +1,44 @@
+"""The WSRL warm-start stages: warm-up (no updates) -> critic-only -> full, for every off-policy method.
+(The residual SAC ordering test is tests/algos/test_sac.py::test_wsrl_stages_actor_unchanged_before_full_phase.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from embodied_rl.algos.dsrl import make_dsrl
+from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart
+from embodied_rl.errors import UserError
+from tests.algos.test_dsrl import algo_cfg, make_vec_env, tiny_policy
+
+
+def test_phases_in_order():
+    stages = WarmStart(warmup_env_steps=100, critic_only_steps=50)
+    assert [stages.phase(s) for s in (0, 99, 100, 149, 150, 10_000)] == [WARMUP, WARMUP, CRITIC, CRITIC, FULL, FULL]
+    assert not stages.updates_critic(99) and stages.updates_critic(100)
+    assert not stages.updates_actor(149) and stages.updates_actor(150)
+    assert WarmStart(0, 0).phase(0) == FULL
+    assert WarmStart.from_config(OmegaConf.create({"warmup_env_steps": 3})).critic_only_steps == 0
+
+
+def test_negative_lengths_are_user_errors():
+    with pytest.raises(UserError):
+        WarmStart(-1, 0)
+
+
+@pytest.mark.parametrize("variant", ["dsrl", "dsrl_na"])
+def test_dsrl_actor_fixed_in_warmup_and_critic_only(variant):
+    vec_env = make_vec_env(tiny_policy())
+    model = make_dsrl(algo_cfg(variant, warmup_env_steps=24, critic_only_steps=48), vec_env, seed=0)
+    actor = [p.clone() for p in model.actor.parameters()]
+    critic = [p.clone() for p in model.critic.parameters()]
+    model.learn(total_timesteps=4 * 2)  # 16 < 24 env steps: warm-up only
+    assert vec_env.env_steps == 16
+    assert all(torch.equal(a, b) for a, b in zip(critic, model.critic.parameters()))  # no update at all
+    assert len(model.replay_buffer.observations[: model.replay_buffer.pos]) == 2
+    model.learn(total_timesteps=4 * 6, reset_num_timesteps=False)  # 64 < 72 env steps: critic-only
+    assert all(torch.equal(a, b) for a, b in zip(actor, model.actor.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(critic, model.critic.parameters()))
+    model.learn(total_timesteps=4 * 3, reset_num_timesteps=False)  # full
+    assert not all(torch.equal(a, b) for a, b in zip(actor, model.actor.parameters()))

@@ -1,0 +1,35 @@
+"""`embodied-rl quickstart` end to end at tiny scale on `reach`, and its stage skipping."""
+
+import json
+
+from embodied_rl.cli import main
+
+TINY = ["task=reach", "demos=6", "pretrain_steps=20", "finetune_env_steps=200", "finetune_num_envs=4",
+        "finetune_eval_every=100", "finetune_eval_episodes=2", "eval_episodes=2", "videos=1"]
+
+
+def test_quickstart_writes_a_report_and_skips_finished_stages(tmp_path, capsys):
+    run_dir = tmp_path / "qs"
+    assert main(["quickstart", *TINY, f"run_dir={run_dir}"]) == 0
+    out = capsys.readouterr().out
+    assert "pretrained_success" in out and "finetuned_success" in out
+    report = (run_dir / "report.md").read_text()
+    assert "| pretrained (diffusion BC) |" in report and "| fine-tuned (residual_ppo) |" in report
+    assert "plots/learning_curve.png" in report and (run_dir / "plots" / "learning_curve.png").exists()
+    assert "3_eval_pretrained/videos/episode_0.mp4" in report
+    for stage in ("1_collect", "2_pretrain", "3_eval_pretrained", "4_finetune", "5_eval_finetuned"):
+        assert (run_dir / stage / "config.yaml").exists()
+    info = json.loads((run_dir / "quickstart_info.json").read_text())
+    assert info["before"]["n_episodes"] == 2 and info["after"]["n_episodes"] == 2
+
+    # a re-run (e.g. after a kill) redoes only what is missing
+    (run_dir / "5_eval_finetuned" / "eval_info.json").unlink()
+    assert main(["quickstart", *TINY, f"run_dir={run_dir}"]) == 0
+    out = capsys.readouterr().out
+    assert "collect: done already" in out and "pretrain: done already" in out
+    assert "eval -> " in out
+
+
+def test_quickstart_rejects_bad_counts(capsys):
+    assert main(["quickstart", "demos=0"]) == 2
+    assert "demos" in capsys.readouterr().err
