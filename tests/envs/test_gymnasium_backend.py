@@ -220,3 +220,18 @@ def test_render_and_make_through_the_registry():
         env.close()
     with pytest.raises(UserError, match="unknown option"):
         make("InvertedPendulum-v5", backend="gymnasium", colour="red")
+
+
+def test_a_package_task_runs_through_its_gymnasium_registration():
+    from embodied_rl.envs.registry import make
+
+    env = make("reach", num_envs=2, backend="gymnasium", seed=0, max_episode_steps=3)
+    try:
+        assert env.env_id == "embodied_rl/Reach-v0"
+        obs, _ = env.reset()
+        assert obs.shape == (2, 8)
+        for _ in range(3):
+            obs, _, terminated, truncated, info = env.step(torch.zeros(2, 2))
+        assert (terminated | truncated).all() and info["_final"].all()
+    finally:
+        env.close()

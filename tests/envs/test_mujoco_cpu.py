@@ -22,6 +22,7 @@ def test_threads_match_single_thread():
         return torch.stack(out)
 
     assert torch.equal(run(1), run(3))
+    assert torch.equal(run(1), run(2))
 
 
 def test_state_is_a_view_updated_in_place():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -83,9 +84,6 @@ class MujocoCpuEnv(SimBatchedEnv):
         ]
         self.substeps = int(task.control_substeps)
         self.threads = default_threads(n) if threads is None else max(1, min(int(threads), n))
-        bounds = np.linspace(0, n, self.threads + 1).round().astype(int)
-        self._chunks = [(int(bounds[i]), int(bounds[i + 1])) for i in range(self.threads)]
-        # The calling thread steps the first chunk itself; the pool steps the others.
         self._pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
         self._renderers: dict[int, Any] = {}
 
@@ -109,11 +107,14 @@ class MujocoCpuEnv(SimBatchedEnv):
             self._ctrl[i] = 0.0
             self._time[i] = 0.0
 
-    def _step_envs(self, start: int, stop: int) -> None:
-        """Advance envs [start, stop) by one control step: one Python call per worker thread."""
+    def _step_envs(self, env_ids: Iterator[int]) -> None:
+        """Advance envs by one control step, taking env indices from a shared iterator until it
+        runs out. Every thread runs this loop over the same iterator (next() on it is atomic
+        under the GIL), so a thread the OS leaves waiting on a busy machine does not hold the
+        others back: the threads that run take over its envs."""
         mujoco, model, substeps = self._mujoco, self.model, self.substeps
         step1, step2, times = mujoco.mj_step1, mujoco.mj_step2, self._time
-        for i in range(start, stop):
+        for i in env_ids:
             data, data_ctrl, ctrl, copies = self._env_views[i]
             data_ctrl[:] = ctrl
             step2(model, data)
@@ -127,13 +128,11 @@ class MujocoCpuEnv(SimBatchedEnv):
     def _step_physics(self, ctrl: Tensor) -> Tensor:
         self._state.ctrl.copy_(ctrl)  # into the batched ctrl rows the workers read
         time_before = self._time.copy()
-        if self._pool is None:
-            self._step_envs(0, self.num_envs)
-        else:
-            futures = [self._pool.submit(self._step_envs, *chunk) for chunk in self._chunks[1:]]
-            self._step_envs(*self._chunks[0])
-            for future in futures:
-                future.result()
+        env_ids = iter(range(self.num_envs))
+        futures = [self._pool.submit(self._step_envs, env_ids) for _ in range(self.threads - 1)]
+        self._step_envs(env_ids)  # the calling thread works too
+        for future in futures:
+            future.result()
         # On a bad qpos, qvel or qacc (mjWARN_BADQPOS/BADQVEL/BADQACC) MuJoCo resets the data
         # itself (mj_resetData), which sets time back to 0: an env whose clock did not advance by
         # `substeps` timesteps went unstable. Cheaper than reading the warning counters per env.
