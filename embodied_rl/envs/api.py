@@ -239,7 +239,11 @@ class BatchedEnv:
 
 
 class EpisodeStats:
-    """Running return, length and success_once per env (shared by backends)."""
+    """Running return, length and success_once per env (shared by backends).
+
+    Updates build new tensors instead of writing in place, so a snapshot can hand out the
+    tensors themselves without copying them.
+    """
 
     def __init__(self, num_envs: int, device: torch.device):
         self.returns = torch.zeros(num_envs, device=device)
@@ -247,21 +251,17 @@ class EpisodeStats:
         self.success_once = torch.zeros(num_envs, dtype=torch.bool, device=device)
 
     def update(self, reward: Tensor, success: Tensor) -> None:
-        self.returns += reward
-        self.lengths += 1
-        self.success_once |= success
+        self.returns = self.returns + reward
+        self.lengths = self.lengths + 1
+        self.success_once = self.success_once | success
 
     def snapshot(self) -> dict[str, Tensor]:
-        return {
-            "return": self.returns.clone(),
-            "length": self.lengths.clone(),
-            "success_once": self.success_once.clone(),
-        }
+        return {"return": self.returns, "length": self.lengths, "success_once": self.success_once}
 
     def clear(self, env_ids: Tensor) -> None:
-        self.returns[env_ids] = 0.0
-        self.lengths[env_ids] = 0
-        self.success_once[env_ids] = False
+        self.returns = self.returns.index_fill(0, env_ids, 0.0)
+        self.lengths = self.lengths.index_fill(0, env_ids, 0)
+        self.success_once = self.success_once.index_fill(0, env_ids, False)
 
 
 def _index_obs(obs: Obs, env_ids: Tensor) -> Obs:

@@ -64,6 +64,7 @@ class MujocoCpuEnv(SimBatchedEnv):
         self._sensordata = self._buffer[:, nq + nv :]
         self._ctrl = np.zeros((n, model.nu))
         self._time = np.zeros(n)  # data.time after the last step (or 0 after a reset)
+        self._all_finite = torch.ones(n, dtype=torch.bool)
         self._state = SimState(
             qpos=torch.from_numpy(self._qpos),
             qvel=torch.from_numpy(self._qvel),
@@ -140,6 +141,8 @@ class MujocoCpuEnv(SimBatchedEnv):
         return torch.from_numpy(self._time < expected)
 
     def _state_is_finite(self) -> Tensor:
+        if np.isfinite(self._buffer.sum()):  # the usual case, in one reduction
+            return self._all_finite
         return torch.from_numpy(np.isfinite(self._buffer).all(axis=1))
 
     def _render_frames(self, env_ids: Tensor, size: int) -> Tensor:

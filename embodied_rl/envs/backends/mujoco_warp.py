@@ -57,6 +57,8 @@ class MujocoWarpEnv(SimBatchedEnv):
         import warp as wp
 
         self._mujoco, self._mjw, self._wp = mujoco, mjw, wp
+        # Warp logs a line per compiled or loaded kernel module (dozens): keep the CLI readable.
+        wp.config.log_level = max(wp.config.log_level, wp.LOG_WARNING)
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
