@@ -17,8 +17,8 @@ per-env warnings nor keep sensors in step with the state, and was not faster at 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ from torch import Tensor
 
 from embodied_rl.envs.api import SimBatchedEnv, SimState, Task
 from embodied_rl.envs.render import make_renderer, render_datas
+
 
 def default_threads(num_envs: int) -> int:
     try:
