@@ -87,8 +87,9 @@ def resolve_task(cfg: DictConfig, policy: Any, path: Path) -> str:
 
 
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
-    checkpoint = validate(cfg)
-    from embodied_rl.actors import AGENT_FILE, BASE_POLICY, load_agent
+    from embodied_rl.actors import AGENT_FILE, BASE_POLICY, load_agent, resolve_checkpoint
+
+    checkpoint = resolve_checkpoint(validate(cfg))  # a run directory stands for its checkpoints/last
 
     finetuned = (checkpoint / AGENT_FILE).is_file()  # an RL checkpoint: its actor acts
     policy = load_checkpoint(checkpoint / BASE_POLICY if finetuned else checkpoint, str(cfg.device))
