@@ -4,6 +4,8 @@
 
 Rates are control steps (env steps) per second; one env step = task.control_substeps mj_steps.
 Baseline: one MjData stepped in a Python loop on one thread (mj_step(m, d, substeps)).
+Every rate is the median of --repeats rounds; each round measures every variant once, so load
+from other jobs on a shared machine falls on all of them alike.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 
 import numpy as np
 import torch
 
 
-def rate(fn, steps_per_call: int, seconds: float = 1.5) -> float:
+def rate(fn, steps_per_call: int, seconds: float) -> float:
     fn()
     calls, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
@@ -35,6 +38,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tasks", nargs="+", default=["reach", "push_t"])
     parser.add_argument("--num-envs", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=1.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     n = args.num_envs
@@ -47,15 +52,10 @@ def main() -> None:
         env.reset(seed=0)
         data = mujoco.MjData(model)
         data.qpos[:] = env.datas[0].qpos
-        raw = rate(lambda: mujoco.mj_step(model, data, k), 1)  # noqa: B023
-
         zeros = torch.zeros(n, task.action_dim)
-        env_rate = rate(lambda: env.step(zeros), n)  # noqa: B023
         ctrl = task.action_to_ctrl(zeros.double())
-        physics_rate = rate(lambda: env._step_physics(ctrl), n)  # noqa: B023
         env1 = make(name, num_envs=n, seed=0, threads=1)
         env1.reset(seed=0)
-        env1_rate = rate(lambda: env1.step(zeros), n)  # noqa: B023
 
         # mujoco.rollout: full physics state in, k substeps, state out (persistent thread pool)
         spec = mujoco.mjtState.mjSTATE_FULLPHYSICS
@@ -74,7 +74,20 @@ def main() -> None:
                                    state=state_out, sensordata=sensor_out, persistent_pool=True)  # noqa: B023
             initial[:] = state_out[:, -1]  # noqa: B023
 
-        rollout_rate = rate(roll, n)
+        variants = {
+            "raw_1thread": (lambda: mujoco.mj_step(model, data, k), 1),  # noqa: B023
+            "env_step": (lambda: env.step(zeros), n),  # noqa: B023
+            "env_step_1thread": (lambda: env1.step(zeros), n),  # noqa: B023
+            "physics_threads": (lambda: env._step_physics(ctrl), n),  # noqa: B023
+            "rollout": (roll, n),
+        }
+        rates: dict[str, list[float]] = {key: [] for key in variants}
+        for _ in range(args.repeats):
+            for key, (fn, per_call) in variants.items():
+                rates[key].append(rate(fn, per_call, args.seconds))
+        median = {key: statistics.median(values) for key, values in rates.items()}
+        raw, env_rate, env1_rate = median["raw_1thread"], median["env_step"], median["env_step_1thread"]
+        physics_rate, rollout_rate = median["physics_threads"], median["rollout"]
         env.close()
         env1.close()
         rows.append({
@@ -82,7 +95,8 @@ def main() -> None:
             "env_step_1thread": env1_rate, "physics_threads": physics_rate, "rollout": rollout_rate,
             "env_step_over_raw": env_rate / raw, "threads": env.threads,
         })
-    print(f"native MuJoCo, N={n}, {cores} cores; env steps per second")
+    print(f"native MuJoCo, N={n}, {cores} cores, load {os.getloadavg()[0]:.1f}; env steps per second "
+          f"(median of {args.repeats})")
     header = f"{'task':<8} {'raw 1-thr':>10} {'env.step':>10} {'ratio':>6} {'env 1-thr':>10} {'physics':>10} {'rollout':>10}"
     print(header)
     for r in rows:

@@ -296,6 +296,8 @@ class SimBatchedEnv(BatchedEnv):
                                             task.control_substeps; return envs with simulator
                                             warnings (e.g. mjWARN_BADQACC)
       _render_frames(env_ids, size) -> uint8 [k, size, size, 3] from task.camera
+    and may override `_state_is_finite() -> bool[N]` (default: three torch checks over `state`)
+    with one cheaper call over their own buffers.
 
     An env whose physics goes unstable (a simulator warning or non-finite qpos/qvel/sensordata)
     is reset in the same step and counted in `unstable_resets`; that step returns reward 0,

@@ -1,17 +1,27 @@
 """Native MuJoCo on the CPU: one persistent MjData per env, stepped from a thread pool.
 
-mj_step releases the GIL, so each worker thread steps a contiguous slice of envs. After a step a
-worker copies its envs' qpos/qvel/sensordata/ctrl into batched numpy buffers; `state` exposes
-those buffers to torch as views (torch.from_numpy, no copies). MjData stays the simulator's own
-state; the SimState views are read-only by convention.
+mj_step releases the GIL, so threads step envs in parallel. Each thread (the calling one and
+`threads - 1` pool workers) makes one Python call per control step: a loop that takes env indices
+from a shared iterator (so a thread the OS leaves waiting on a busy machine holds nobody back)
+and, per env, writes ctrl, steps, and copies qpos/qvel/sensordata into batched numpy buffers
+through numpy views made once at construction; `state` exposes those buffers to torch as views
+(torch.from_numpy, no copies). MjData stays the simulator's own state; the SimState views are
+read-only by convention.
 
 Sensors are computed at the start of mj_step, so after a plain mj_step `sensordata` describes the
 state before the last integration. Each control step therefore runs
 `mj_step2, mj_step x (substeps - 1), mj_step1`: the same physics as `substeps` mj_steps, with
 position and velocity sensors (and kinematics, for rendering) of the state actually reached.
 
-`mujoco.rollout` was measured as the alternative (docs/BENCHMARKS.md); it cannot report
-per-env warnings nor keep sensors in step with the state, and was not faster at N=64.
+Instability: on a bad qpos/qvel/qacc MuJoCo resets the data itself, which puts `time` back to 0,
+so an env whose clock did not advance by `substeps` timesteps is reported unstable (one numpy
+comparison instead of reading warning counters per env); non-finite state is caught by one
+numpy reduction over the batched buffers.
+
+`mujoco.rollout` was measured as the alternative (benchmarks/mujoco_cpu_steps.py): it needs no
+GIL at all, but zeroes the solver warmstart at every call, stops an env's rollout at any
+warning, and its sensordata lags one substep (fixing that costs an extra substep per control
+step); the thread pool stays.
 """
 
 from __future__ import annotations
