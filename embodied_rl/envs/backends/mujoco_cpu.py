@@ -12,6 +12,8 @@ Sensors are computed at the start of mj_step, so after a plain mj_step `sensorda
 state before the last integration. Each control step therefore runs
 `mj_step2, mj_step x (substeps - 1), mj_step1`: the same physics as `substeps` mj_steps, with
 position and velocity sensors (and kinematics, for rendering) of the state actually reached.
+MuJoCo cannot split an RK4 step (mj_step2 falls back to Euler), so RK4 models (hopper) run
+`mj_step x substeps, mj_step1` instead: one extra position/velocity pass per control step.
 
 Instability: on a bad qpos/qvel/qacc MuJoCo resets the data itself, which puts `time` back to 0,
 so an env whose clock did not advance by `substeps` timesteps is reported unstable (one numpy
@@ -126,12 +128,16 @@ class MujocoCpuEnv(SimBatchedEnv):
         others back: the threads that run take over its envs."""
         mujoco, model, substeps = self._mujoco, self.model, self.substeps
         step1, step2, times = mujoco.mj_step1, mujoco.mj_step2, self._time
+        split = model.opt.integrator != mujoco.mjtIntegrator.mjINT_RK4
         for i in env_ids:
             data, data_ctrl, ctrl, copies = self._env_views[i]
             data_ctrl[:] = ctrl
-            step2(model, data)
-            if substeps > 1:
-                mujoco.mj_step(model, data, substeps - 1)
+            if split:
+                step2(model, data)
+                if substeps > 1:
+                    mujoco.mj_step(model, data, substeps - 1)
+            else:
+                mujoco.mj_step(model, data, substeps)
             step1(model, data)
             for source, destination in copies:
                 destination[:] = source

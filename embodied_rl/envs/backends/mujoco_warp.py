@@ -113,9 +113,13 @@ class MujocoWarpEnv(SimBatchedEnv):
 
     def _substep_loop(self) -> None:
         mjw, m, d = self._mjw, self.wp_model, self.wp_data
-        mjw.step2(m, d)
-        for _ in range(self.substeps - 1):
-            mjw.step(m, d)
+        if self.model.opt.integrator == self._mujoco.mjtIntegrator.mjINT_RK4:
+            for _ in range(self.substeps):  # an RK4 step cannot be split into step2/step1
+                mjw.step(m, d)
+        else:
+            mjw.step2(m, d)
+            for _ in range(self.substeps - 1):
+                mjw.step(m, d)
         mjw.step1(m, d)
 
     def _torch_done(self) -> None:
