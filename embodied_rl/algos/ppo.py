@@ -49,14 +49,26 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, *x.shape[2:])
 
 
+def training_reward(reward: torch.Tensor, info: dict[str, Any], sparse: bool) -> torch.Tensor:
+    """What RL maximises: the env reward, or (`sparse`) 1 on a step that ends in success.
+
+    Why sparse by default on tasks with a success signal: push_t's dense reward (coverage, up to
+    1 per step) keeps paying while the block sits near the target, and success ends the episode,
+    so a dense-reward agent earns more by hovering just outside the success region than by
+    finishing; the sparse reward (ResiP's choice) with gamma < 1 rewards finishing, and soon.
+    """
+    return info["success"].float() if sparse else reward
+
+
 def make_ppo_actor(cfg: Any, policy, num_envs: int):
     kwargs = OmegaConf.to_container(cfg.algo.actor_kwargs, resolve=True) if cfg.algo.get("actor_kwargs") else {}
     return make_actor(cfg.algo.actor, policy, num_envs, **kwargs)
 
 
 @torch.no_grad()
-def collect_ppo(env, henv, actor, obs, num_steps: int):
-    """`num_steps` MDP steps of every env. Returns (batch dict [T, N, ...], next obs, stats)."""
+def collect_ppo(env, henv, actor, obs, num_steps: int, sparse_reward: bool = False):
+    """`num_steps` MDP steps of every env. Returns (batch dict [T, N, ...], next obs, stats).
+    Stats report the env's own episode return and success; the batch holds the training reward."""
     rows, returns, successes = [], [], []
     for _ in range(num_steps):
         obs_in = henv.history.buffer.clone() if actor.chunked else obs
@@ -74,6 +86,7 @@ def collect_ppo(env, henv, actor, obs, num_steps: int):
             ended = info["_episode"]
             returns += info["episode"]["return"][ended].tolist()
             successes += info["episode"]["success_once"][ended].float().tolist()
+        reward = training_reward(reward, info, sparse_reward)
         rows.append({"obs": obs_in, "logprob": out.logprob, "value": out.value, "reward": reward,
                      "terminated": terminated.float(), "truncated": truncated.float(),
                      "next_value": next_value, "stash": out.stash})
@@ -85,7 +98,7 @@ def collect_ppo(env, henv, actor, obs, num_steps: int):
 
 
 @torch.no_grad()
-def collect_grpo(env, henv, actor, group_size: int, max_mdp_steps: int):
+def collect_grpo(env, henv, actor, group_size: int, max_mdp_steps: int, sparse_reward: bool = False):
     """One episode per env from G-fold shared initial states. Returns (batch, stats)."""
     obs, _ = henv.reset(group_size=group_size)
     n = env.num_envs
@@ -104,6 +117,7 @@ def collect_grpo(env, henv, actor, group_size: int, max_mdp_steps: int):
         done = terminated | truncated
         actor.reset(done.cpu())
         rows.append({"obs": obs_in, "logprob": out.logprob, "valid": running.float(), "stash": out.stash})
+        reward = training_reward(reward, info, sparse_reward)
         episode_return += torch.where(running, reward, torch.zeros_like(reward))
         success |= info["episode"]["success_once"] & info["_episode"] & running
         running &= ~done
@@ -135,6 +149,13 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     if len(getattr(env.single_observation_space, "shape", None) or ()) != 1:
         raise UserError("on-policy fine-tuning supports state observations only (obs_mode=state)")
     torch.manual_seed(int(cfg.seed))
+    reward_mode = str(algo.get("reward", "env"))
+    if reward_mode not in ("env", "success", "auto"):
+        raise UserError(f"algo.reward must be env, success or auto, got '{reward_mode}'")
+    has_success = bool(cfg.task.get("has_success", True))
+    if reward_mode == "success" and not has_success:
+        raise UserError(f"algo.reward=success needs a task with a success signal; {cfg.task.name} has none")
+    sparse_reward = reward_mode == "success" or (reward_mode == "auto" and has_success)
 
     # ---- actor, optimiser, counters (resumed from checkpoints/last when it exists) ----
     actor = make_ppo_actor(cfg, policy, num_envs).to(device)
@@ -180,10 +201,10 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         # ---- rollout ----
         actor.eval()
         if grpo:
-            batch, stats = collect_grpo(env, henv, actor, group_size, max_mdp_steps)
+            batch, stats = collect_grpo(env, henv, actor, group_size, max_mdp_steps, sparse_reward)
             mdp_steps = batch["valid"].shape[0]
         else:
-            batch, obs, stats = collect_ppo(env, henv, actor, obs, int(algo.num_steps))
+            batch, obs, stats = collect_ppo(env, henv, actor, obs, int(algo.num_steps), sparse_reward)
             mdp_steps = int(algo.num_steps)
             advantages, returns = core.gae(batch["reward"], batch["value"], batch["next_value"],
                                            batch["terminated"], batch["truncated"],
