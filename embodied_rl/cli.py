@@ -10,6 +10,7 @@ headline numbers and the run directory at the end. Bad input exits with code 2 a
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import sys
 from pathlib import Path
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"embodied-rl {__version__}")
         return 0
     command, overrides = argv[0], argv[1:]
+    os.environ.setdefault("MUJOCO_GL", "egl")  # offscreen rendering; read when mujoco is imported
     if command not in COMMANDS:
         print(f"error: unknown command '{command}' (choose from: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2

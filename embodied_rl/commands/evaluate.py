@@ -104,9 +104,12 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     # The default (videos unset) records up to 4 episodes, never more than are run.
     videos = min(4, episodes) if cfg.videos is None else int(cfg.videos)
     num_envs = min(int(cfg.num_envs), episodes)
+    options: dict[str, Any] = {"obs_mode": getattr(policy, "obs_mode", "state")}
+    if options["obs_mode"] == "pixels":  # the env renders what the policy was trained on
+        options["image_size"] = int(policy.config["image_shape"][0])
     env = envs.make(
         task, num_envs=num_envs, backend=cfg.backend, device=cfg.device, seed=int(cfg.seed),
-        render_size=int(cfg.video_size),
+        render_size=int(cfg.video_size), **options,
     )
     if finetuned:
         agent = load_agent(checkpoint, num_envs, str(cfg.device))

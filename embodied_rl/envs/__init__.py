@@ -7,6 +7,12 @@
 Importing this package registers every task with gymnasium as `embodied_rl/<Name>-v0`.
 """
 
+import os
+
+# Offscreen rendering without a display: EGL unless the user chose another backend. MuJoCo reads
+# this when it is first imported, so it is set before anything imports mujoco.
+os.environ.setdefault("MUJOCO_GL", "egl")
+
 from embodied_rl.envs.api import BatchedEnv, SimBatchedEnv, SimState, Task, step_chunk
 from embodied_rl.envs.experts import make_expert
 from embodied_rl.envs.gym_env import register_all as _register_gym_envs
