@@ -44,8 +44,11 @@ def finetune_row(algo: str, checkpoint: Path, out: Path, a: argparse.Namespace) 
     wall = time.perf_counter() - start
     evals = [row for row in metrics(run_dir) if "eval/success_rate" in row]
     best_at = next((row["step"] for row in evals if row["eval/success_rate"] >= 0.9), None)
-    return {"method": algo, "bc_success": evals[0]["eval/success_rate"], "success": evals[-1]["eval/success_rate"],
-            "env_steps": evals[-1]["step"], "steps_to_90": best_at, "wall_s": wall}
+    first, last = evals[0], evals[-1]
+    return {"method": algo, "bc_success": first["eval/success_rate"],
+            "bc_ci": [first["eval/success_rate_low"], first["eval/success_rate_high"]],
+            "success": last["eval/success_rate"], "ci": [last["eval/success_rate_low"], last["eval/success_rate_high"]],
+            "env_steps": last["step"], "steps_to_90": best_at, "wall_s": wall}
 
 
 class SB3Agent:
@@ -77,7 +80,8 @@ def sac_from_scratch_row(a: argparse.Namespace) -> dict:
     wall = time.perf_counter() - start
     eval_env = envs.make(a.task, num_envs=min(a.eval_episodes, a.num_envs), seed=a.seed + 1)
     info = evaluate(eval_env, SB3Agent(model), episodes=a.eval_episodes, seed=a.seed + 12345, progress=False)
-    return {"method": "sb3_sac_scratch", "bc_success": None, "success": info["overall"]["success_rate"],
+    return {"method": "sb3_sac_scratch", "bc_success": None, "bc_ci": None, "success": info["overall"]["success_rate"],
+            "ci": list(info["overall"]["success_ci95"]),
             "env_steps": int(model.num_timesteps), "steps_to_90": None, "wall_s": wall}
 
 
@@ -115,11 +119,16 @@ def main() -> None:
         rows.append(sac_from_scratch_row(a))
 
     print(f"\n{a.task}: off-policy fine-tuning ({a.env_steps} env steps, {a.num_envs} envs, {a.eval_episodes} eval episodes)")
-    print(f"{'method':<18}{'BC success':>12}{'fine-tuned':>12}{'env steps':>11}{'steps to 90%':>14}{'wall s':>9}")
+    print(f"{'method':<18}{'BC success [95% CI]':>22}{'fine-tuned [95% CI]':>22}{'env steps':>11}"
+          f"{'steps to 90%':>14}{'wall s':>9}")
+
+    def cell(value, ci) -> str:
+        return "-" if value is None else f"{value:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]"
+
     for row in rows:
-        bc = "-" if row["bc_success"] is None else f"{row['bc_success']:.2f}"
         to90 = "-" if row["steps_to_90"] is None else str(row["steps_to_90"])
-        print(f"{row['method']:<18}{bc:>12}{row['success']:>12.2f}{row['env_steps']:>11}{to90:>14}{row['wall_s']:>9.0f}")
+        print(f"{row['method']:<18}{cell(row['bc_success'], row['bc_ci']):>22}{cell(row['success'], row['ci']):>22}"
+              f"{row['env_steps']:>11}{to90:>14}{row['wall_s']:>9.0f}")
     headline = {"task": a.task, "rows": rows}
     scratch = next((r for r in rows if r["method"] == "sb3_sac_scratch"), None)
     best = max((r for r in rows if r["method"] != "sb3_sac_scratch"), key=lambda r: r["success"], default=None)

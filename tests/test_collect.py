@@ -64,3 +64,25 @@ def test_collect_refuses_existing_out(tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
     assert (out / "keep.txt").read_text() == "precious"
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("task", ["reach", "push_t", "lift", "peg_insert"])
+def test_bc_defaults_come_from_the_task_config(task):
+    import yaml
+
+    from embodied_rl.cli import compose
+    from embodied_rl.paths import config_dir
+
+    defaults = yaml.safe_load((config_dir() / "task" / f"{task}.yaml").read_text())
+    collect_cfg = compose("collect", [f"task={task}"])
+    assert collect_cfg.demos == defaults["demos"] >= 1
+    assert collect_cfg.quality == defaults["quality"]
+    assert compose("pretrain", [f"task={task}"]).steps == defaults["pretrain_steps"] >= 1
+    assert compose("collect", [f"task={task}", "demos=3"]).demos == 3
+
+
+def test_collect_hopper_has_no_expert(tmp_path, capsys):
+    code = main(["collect", "task=hopper", f"run_dir={tmp_path / 'run'}"])
+    assert code == 2
+    assert "no scripted expert" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

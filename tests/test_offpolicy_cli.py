@@ -77,6 +77,7 @@ def test_resume_continues_the_run(tmp_path, bc_checkpoint, algo):
     ("algo.utd_ratio=0", "utd_ratio"),
     ("algo.noise_bound=0", "noise_bound"),
     ("algo.target_entropy=lots", "target_entropy"),
+    ("algo.reward=dense", "algo.reward"),
 ])
 def test_bad_dsrl_config_exits_2(tmp_path, capsys, bc_checkpoint, override, message):
     args = finetune_args("dsrl", bc_checkpoint, tmp_path / "ft") + [override]

@@ -101,7 +101,8 @@ class LatentNoiseVecEnv(VecEnv):
     action: float32 [N, H*A] in [-noise_bound, noise_bound] (clipped), reshaped to the policy's
     noise_shape (H, A). observation: the env's state observation [N, D] (the base policy's obs
     history is kept here and reset per env when its episode ends). reward: the sum over the
-    executed part of the chunk (step_chunk). An env that finishes mid-chunk reports done with
+    executed part of the chunk (step_chunk), or with `sparse_reward` 1 where the chunk ended in
+    success and 0 otherwise. An env that finishes mid-chunk reports done with
     `terminal_observation` and `TimeLimit.truncated` (SB3 semantics) and starts a fresh episode.
 
     Counters: `env_steps` (simulator steps taken, all envs), `sampler_calls` (predict_chunk
@@ -110,12 +111,14 @@ class LatentNoiseVecEnv(VecEnv):
     terminal observation for a finished env) so that DSRL-NA can re-run the base policy.
     """
 
-    def __init__(self, env: Any, policy: Any, noise_bound: float = 1.5, seed: int | None = None):
+    def __init__(self, env: Any, policy: Any, noise_bound: float = 1.5, seed: int | None = None,
+                 sparse_reward: bool = False):
         if noise_bound <= 0:
             raise UserError(f"noise_bound must be > 0, got {noise_bound}")
         self.env = env
         self.policy = policy
         self.noise_bound = float(noise_bound)
+        self.sparse_reward = bool(sparse_reward)
         self.noise_shape = tuple(int(s) for s in policy.noise_shape)
         self.n_action_steps = int(policy.n_action_steps)
         self.history = ObsHistory(int(policy.n_obs_steps))
@@ -176,6 +179,8 @@ class LatentNoiseVecEnv(VecEnv):
         self._obs = obs
 
         success = info["success"]
+        if self.sparse_reward:
+            reward = success.float()
         episode = info.get("episode", {})
         infos: list[dict[str, Any]] = []
         executed_flat = executed.reshape(self.num_envs, -1).cpu().numpy()

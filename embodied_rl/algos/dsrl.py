@@ -44,7 +44,7 @@ from embodied_rl.actors.latent_noise import (
     make_noise_critic,
     save_noise_actor,
 )
-from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart
+from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart, sparse_reward
 from embodied_rl.errors import UserError
 
 # --------------------------------------------------------------------------------------------
@@ -380,7 +380,8 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     algo = cfg.algo
     policy.eval()
     policy.requires_grad_(False)
-    vec_env = LatentNoiseVecEnv(env, policy, noise_bound=float(algo.noise_bound), seed=int(cfg.seed))
+    vec_env = LatentNoiseVecEnv(env, policy, noise_bound=float(algo.noise_bound), seed=int(cfg.seed),
+                                sparse_reward=sparse_reward(cfg))
     model = make_dsrl(algo, vec_env, seed=int(cfg.seed), device=str(cfg.device))
     config = _agent_config(algo, vec_env)
 

@@ -60,13 +60,36 @@ def training_reward(reward: torch.Tensor, info: dict[str, Any], sparse: bool) ->
     return info["success"].float() if sparse else reward
 
 
+class PotentialShaping:
+    """Potential-based shaping (Ng et al. 1999) with the env reward as the potential:
+    r_t += coef * (gamma * phi_{t+1} - phi_t), where phi_{t+1} is the env reward of step t (for
+    push_t: the coverage of the state reached). It leaves the optimal policy unchanged but pays
+    progress at every step, and standing still costs (1 - gamma) * phi, so unlike the raw dense
+    reward it never pays to hover near the goal. The first step of an episode gets no shaping
+    (the potential of its initial state is unknown). Per-step actors only."""
+
+    def __init__(self, coef: float, gamma: float):
+        self.coef, self.gamma = coef, gamma
+        self.previous: torch.Tensor | None = None  # phi of the current state, per env
+        self.fresh: torch.Tensor | None = None  # envs at the first step of an episode
+
+    def __call__(self, env_reward: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+        if self.previous is None:
+            self.previous, self.fresh = env_reward.clone(), torch.ones_like(done)
+        shaping = self.coef * (self.gamma * env_reward - self.previous)
+        shaping = torch.where(self.fresh, torch.zeros_like(shaping), shaping)
+        self.previous, self.fresh = env_reward.clone(), done.clone()
+        return shaping
+
+
 def make_ppo_actor(cfg: Any, policy, num_envs: int):
     kwargs = OmegaConf.to_container(cfg.algo.actor_kwargs, resolve=True) if cfg.algo.get("actor_kwargs") else {}
     return make_actor(cfg.algo.actor, policy, num_envs, **kwargs)
 
 
 @torch.no_grad()
-def collect_ppo(env, henv, actor, obs, num_steps: int, sparse_reward: bool = False):
+def collect_ppo(env, henv, actor, obs, num_steps: int, sparse_reward: bool = False,
+                shaping: PotentialShaping | None = None):
     """`num_steps` MDP steps of every env. Returns (batch dict [T, N, ...], next obs, stats).
     Stats report the env's own episode return and success; the batch holds the training reward."""
     rows, returns, successes = [], [], []
@@ -86,8 +109,10 @@ def collect_ppo(env, henv, actor, obs, num_steps: int, sparse_reward: bool = Fal
             ended = info["_episode"]
             returns += info["episode"]["return"][ended].tolist()
             successes += info["episode"]["success_once"][ended].float().tolist()
-        reward = training_reward(reward, info, sparse_reward)
-        rows.append({"obs": obs_in, "logprob": out.logprob, "value": out.value, "reward": reward,
+        train_reward = training_reward(reward, info, sparse_reward)
+        if shaping is not None:
+            train_reward = train_reward + shaping(reward, done)
+        rows.append({"obs": obs_in, "logprob": out.logprob, "value": out.value, "reward": train_reward,
                      "terminated": terminated.float(), "truncated": truncated.float(),
                      "next_value": next_value, "stash": out.stash})
         obs = next_obs
@@ -156,9 +181,14 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     if reward_mode == "success" and not has_success:
         raise UserError(f"algo.reward=success needs a task with a success signal; {cfg.task.name} has none")
     sparse_reward = reward_mode == "success" or (reward_mode == "auto" and has_success)
+    shaping_coef = float(algo.get("reward_shaping", 0.0) or 0.0)
+    # shaping adds to the sparse success reward; a dense env reward (hopper) is used as it is
+    shaping = PotentialShaping(shaping_coef, float(algo.gamma)) if shaping_coef and sparse_reward else None
 
     # ---- actor, optimiser, counters (resumed from checkpoints/last when it exists) ----
     actor = make_ppo_actor(cfg, policy, num_envs).to(device)
+    if shaping is not None and (actor.chunked or grpo):
+        raise UserError("algo.reward_shaping needs a per-step actor (residual) and PPO, not chunks or GRPO")
     param_groups = [{"params": actor.actor_parameters(), "lr": float(algo.lr)}]
     if not grpo:
         param_groups.append({"params": actor.critic_parameters(), "lr": float(algo.critic_lr)})
@@ -204,7 +234,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
             batch, stats = collect_grpo(env, henv, actor, group_size, max_mdp_steps, sparse_reward)
             mdp_steps = batch["valid"].shape[0]
         else:
-            batch, obs, stats = collect_ppo(env, henv, actor, obs, int(algo.num_steps), sparse_reward)
+            batch, obs, stats = collect_ppo(env, henv, actor, obs, int(algo.num_steps), sparse_reward, shaping)
             mdp_steps = int(algo.num_steps)
             advantages, returns = core.gae(batch["reward"], batch["value"], batch["next_value"],
                                            batch["terminated"], batch["truncated"],

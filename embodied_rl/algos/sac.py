@@ -34,7 +34,7 @@ from embodied_rl.actors.residual_offpolicy import (
     mlp,
     save_residual_actor,
 )
-from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart
+from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart, sparse_reward
 from embodied_rl.errors import UserError
 
 # --------------------------------------------------------------------------------------------
@@ -115,11 +115,13 @@ class Replay:
         return {k: v[idx.to(v.device)] for k, v in self.data.items()}
 
 
-def demo_transitions(dataset: Any, policy: Any, gamma: float, success_terminates: bool, device: torch.device) -> dict[str, Tensor]:
+def demo_transitions(dataset: Any, policy: Any, gamma: float, success_terminates: bool, device: torch.device,
+                     sparse: bool = False) -> dict[str, Tensor]:
     """1-step transitions of a demo dataset; base actions relabelled by running the base policy's
     queue over each episode (replanning every n_action_steps from the episode's start, as online).
     The last step of a successful episode is terminal when the task ends on success; the last
-    step of any other episode has no next observation and is dropped."""
+    step of any other episode has no next observation and is dropped. `sparse`: the reward is 1
+    on the last step of a successful episode, else 0 (the online `algo.reward=success`)."""
     obs_all = torch.as_tensor(np.asarray(dataset.obs), dtype=torch.float32)
     act_all = torch.as_tensor(np.asarray(dataset.action), dtype=torch.float32)
     rew_all = torch.as_tensor(np.asarray(dataset.reward), dtype=torch.float32)
@@ -139,6 +141,10 @@ def demo_transitions(dataset: Any, policy: Any, gamma: float, success_terminates
             chunks = policy.predict_chunk(history.to(device_p), generator=torch.Generator(device=device_p).manual_seed(episode))
         base = chunks[:, start_index : start_index + ha].reshape(-1, act.shape[-1])[:length].float().cpu()
         terminal = bool(successes[episode]) and success_terminates if successes is not None else False
+        if sparse:
+            rew = torch.zeros(length)
+            if successes is not None and bool(successes[episode]):
+                rew[-1] = 1.0
         last = length if terminal else length - 1
         if last <= 0:
             continue
@@ -315,6 +321,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     action_dim = int(env.single_action_space.shape[0])
     learner = ResidualSAC(algo, obs_dim, action_dim, device, seed)
     warm_start = WarmStart.from_config(algo)
+    sparse = sparse_reward(cfg)
     gamma, n_step = float(algo.gamma), int(algo.n_step)
     replay = Replay(int(algo.buffer_size), obs_dim, action_dim, device)
     batch_size = int(algo.batch_size)
@@ -328,7 +335,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     if demo_path is not None:
         task = getattr(env, "task", None)
         demos = demo_transitions(DemoDataset.load(demo_path), policy, gamma,
-                                 bool(getattr(task, "success_terminates", True)), device)
+                                 bool(getattr(task, "success_terminates", True)), device, sparse)
     demo_batch = int(round(batch_size * demo_fraction)) if demos is not None else 0
     demo_generator = torch.Generator().manual_seed(seed + 1)
 
@@ -378,7 +385,8 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         bootstrap_base = queue.peek(final_obs, done)  # what the base policy would do at final_obs
         queue.reset(done.cpu())
         next_base = queue.act(next_obs)
-        window.append({"obs": obs, "base": base, "action": action, "reward": reward.float(),
+        train_reward = info["success"].float() if sparse else reward.float()
+        window.append({"obs": obs, "base": base, "action": action, "reward": train_reward,
                        "terminated": terminated, "truncated": truncated, "next_obs": final_obs,
                        "next_base": torch.where(done[:, None], bootstrap_base, next_base)})
         if len(window) == n_step:  # the oldest step now has its n-step return

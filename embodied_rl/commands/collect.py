@@ -22,6 +22,13 @@ from embodied_rl.runs import progress
 
 
 def validate(cfg: DictConfig) -> None:
+    if cfg.task.get("expert") is False:
+        raise UserError(f"task '{cfg.task.name}' has no scripted expert, so collect cannot make demos for it")
+    # demos and quality default to the task's (configs/task/<task>.yaml)
+    if not isinstance(cfg.demos, int) or isinstance(cfg.demos, bool):
+        raise UserError(f"demos must be an integer >= 1, got {cfg.demos!r}")
+    if not isinstance(cfg.quality, (int, float)) or isinstance(cfg.quality, bool):
+        raise UserError(f"quality must be a number in [0, 1], got {cfg.quality!r}")
     if cfg.demos < 1:
         raise UserError(f"demos must be >= 1, got {cfg.demos}")
     if not 0.0 <= float(cfg.quality) <= 1.0:

@@ -34,7 +34,10 @@ def validate(cfg: DictConfig) -> None:
         raise UserError("data=PATH is required (a demo dataset from `embodied-rl collect`)")
     if not Path(str(cfg.data)).expanduser().exists():
         raise UserError(f"dataset '{cfg.data}' does not exist")
-    for key in ("steps", "eval_every", "max_demos"):
+    if OmegaConf.select(cfg, "steps") is None:  # steps defaults to the task's pretrain_steps
+        raise UserError(f"steps=N is required: task '{OmegaConf.select(cfg, 'task.name')}' sets no pretrain_steps")
+    _positive(cfg, "steps")
+    for key in ("eval_every", "max_demos"):
         _positive(cfg, key, allow_none=True)
     for key in ("batch_size", "log_every", "num_envs"):
         _positive(cfg, key)
@@ -112,7 +115,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     torch.manual_seed(int(cfg.seed))
     policy = build_policy(cfg, dataset, obs_mode, task)
     windows = ChunkWindows(dataset, policy.n_obs_steps, policy.horizon, obs_mode=obs_mode)
-    steps = cfg.steps if cfg.steps is not None else int(cfg.default_steps.get(task, 3000))
+    steps = int(cfg.steps)
     bc_config = BCConfig(
         steps=steps, batch_size=cfg.batch_size, lr=float(cfg.policy.lr),
         weight_decay=float(cfg.policy.weight_decay), warmup_steps=min(cfg.policy.warmup_steps, steps),

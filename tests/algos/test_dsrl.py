@@ -76,6 +76,15 @@ def test_vec_env_spaces_and_sb3_semantics():
     assert vec_env.env_steps == 40 * 2 * 4 or vec_env.env_steps < 40 * 2 * 4  # chunks cut short at episode ends
 
 
+def test_sparse_reward_is_the_chunk_success():
+    env = envs.make("reach", num_envs=4, seed=0)
+    vec_env = LatentNoiseVecEnv(env, tiny_policy(), noise_bound=1.5, seed=0, sparse_reward=True)
+    vec_env.reset()
+    for _ in range(30):
+        _, reward, _, infos = vec_env.step(np.zeros((4, 8), np.float32))
+        assert np.array_equal(reward, np.array([float(info["success"]) for info in infos], np.float32))
+
+
 def test_each_env_step_denoises_exactly_once():
     counting = CountingPolicy(tiny_policy())
     vec_env = make_vec_env(counting)

@@ -30,7 +30,7 @@ class CountingEnv:
         terminated = torch.tensor([False, bool(self.t[1] == 2)])
         done = truncated | terminated
         self.t[done] = 0
-        info = {"final_obs": final_obs, "_final": done, "_episode": done,
+        info = {"final_obs": final_obs, "_final": done, "_episode": done, "success": terminated,
                 "episode": {"return": torch.ones(2), "success_once": terminated}}
         return self.obs(), torch.ones(2), terminated, truncated, info
 
@@ -66,6 +66,16 @@ def test_truncation_bootstraps_from_the_final_observation():
     assert stats["episodes"] == 3
 
 
+def test_sparse_reward_pays_one_on_the_step_that_succeeds():
+    env = CountingEnv()
+    obs, _ = env.reset()
+    batch, _, stats = collect_ppo(env, HistoryEnv(env, ObsHistory(1)), ValueIsTimeActor(), obs, 4,
+                                  sparse_reward=True)
+    # env 1 "succeeds" (terminates) at t=2 and t=4; env 0 never does; stats keep the env return
+    assert batch["reward"].tolist() == [[0, 0], [0, 1], [0, 0], [0, 1]]
+    assert stats["returns"] == [1.0, 1.0, 1.0]
+
+
 def test_grpo_groups_share_initial_states_and_filter_constant_groups():
     from embodied_rl import envs
     from embodied_rl.actors import make_actor
@@ -91,3 +101,14 @@ def test_grpo_groups_share_initial_states_and_filter_constant_groups():
             assert torch.allclose(advantage[pair].sum(), torch.tensor(0.0), atol=1e-5)
             assert (advantage[pair][returns[pair].argmax()] > 0)
     env.close()
+
+
+def test_potential_shaping_pays_progress_and_skips_the_first_step_of_an_episode():
+    from embodied_rl.algos.ppo import PotentialShaping
+
+    shaping = PotentialShaping(coef=2.0, gamma=0.5)
+    no, yes = torch.tensor([False]), torch.tensor([True])
+    assert shaping(torch.tensor([0.4]), no).tolist() == [0.0]  # first step: potential unknown
+    assert shaping(torch.tensor([0.8]), yes).tolist() == [2.0 * (0.5 * 0.8 - 0.4)]  # episode ends
+    assert shaping(torch.tensor([0.1]), no).tolist() == [0.0]  # a new episode starts
+    assert torch.allclose(shaping(torch.tensor([0.1]), no), torch.tensor([2.0 * (0.05 - 0.1)]))

@@ -109,6 +109,13 @@ def test_demo_transitions_relabel_base_actions(tmp_path):
     assert chunk.shape == (1, 4, 2)
 
 
+def test_demo_transitions_sparse_reward(tmp_path):
+    dataset = DemoDataset.load(make_demos(tmp_path / "demos"))
+    demos = demo_transitions(dataset, tiny_policy(), G, success_terminates=True, device=torch.device("cpu"), sparse=True)
+    # only the terminal step of the successful episode 0 is rewarded
+    assert demos["reward"][11] == 1 and demos["reward"].sum() == 1
+
+
 def sac_cfg(tmp_path, **algo_overrides):
     algo = dict(
         name="residual_sac", actor="sac", residual_scale=0.2, actor_hidden_sizes=[16, 16], critic_hidden_sizes=[16, 16],
