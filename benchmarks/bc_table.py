@@ -2,6 +2,7 @@
 
     python benchmarks/bc_table.py                                  # every task x policy, the tasks' default demos
     python benchmarks/bc_table.py --tasks push_t --policies flow --demos 25 50 100
+    python benchmarks/bc_table.py --demos 0.25x 0.5x 1x --no-train     # print what is stored
     python benchmarks/bc_table.py --quick                          # push_t, flow, 500 steps, 20 episodes
 
 Per task it collects one demo dataset with the scripted expert (the task's default quality, as
@@ -41,6 +42,13 @@ def task_defaults(task: str) -> dict:
     from embodied_rl.paths import config_dir
 
     return yaml.safe_load((config_dir() / "task" / f"{task}.yaml").read_text())
+
+
+def demo_count(value: str, task_default: int) -> int:
+    """'25' -> 25; '0.5x' -> half the task's default number of demos (at least 1)."""
+    if value.endswith("x"):
+        return max(1, round(float(value[:-1]) * task_default))
+    return int(value)
 
 
 def one_thread() -> None:
@@ -195,7 +203,8 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=["push_t", "lift", "peg_insert"])
     parser.add_argument("--policies", nargs="+", default=["diffusion", "flow", "shortcut"],
                         choices=list(SUCCESS_STEPS))
-    parser.add_argument("--demos", nargs="+", type=int, default=None, help="default: each task's `demos`")
+    parser.add_argument("--demos", nargs="+", default=None,
+                        help="demo counts (25) or multiples of each task's `demos` (0.5x); default: 1x")
     parser.add_argument("--quality", type=float, default=None, help="default: each task's `quality`")
     parser.add_argument("--steps", type=int, default=None, help="default: each task's `pretrain_steps`")
     parser.add_argument("--episodes", type=int, default=50, help="evaluation episodes per (cell, K)")
@@ -205,6 +214,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("runs/bench/bc_table"))
     parser.add_argument("--fresh", action="store_true", help="retrain cells that have a stored result")
     parser.add_argument("--quick", action="store_true", help="push_t, flow, 500 steps, 20 episodes")
+    parser.add_argument("--no-train", action="store_true",
+                        help="only print the stored results; cells without one are listed as not run")
     args = parser.parse_args()
     if args.quick:
         args.tasks, args.policies, args.steps, args.episodes = ["push_t"], ["flow"], 500, 20
@@ -220,10 +231,10 @@ def main() -> None:
         if not defaults.get("expert", True):
             print(f"skip {task}: no scripted expert (reward-only locomotion task), so no BC demos")
             continue
-        demos_list = args.demos or [int(defaults["demos"])]
+        demos_list = [demo_count(value, int(defaults["demos"])) for value in args.demos or ["1x"]]
         quality = args.quality if args.quality is not None else float(defaults["quality"])
         steps = args.steps or int(defaults["pretrain_steps"])
-        data = collect(task, max(demos_list), quality, args.seed, args.workdir)
+        data = "" if args.no_train else collect(task, max(demos_list), quality, args.seed, args.workdir)
         for policy_type in args.policies:
             for demos in demos_list:
                 name = f"{task}_{policy_type}_n{demos}_q{quality:g}_st{steps}_s{args.seed}"
@@ -231,6 +242,9 @@ def main() -> None:
                                   seed=args.seed, data=str(data), episodes=args.episodes,
                                   dir=str(args.workdir / name), fresh=args.fresh))
 
+    missing = [cell for cell in cells if not (Path(cell["dir"]) / "result.json").exists() or cell["fresh"]]
+    if args.no_train:
+        cells = [cell for cell in cells if cell not in missing]
     started = time.perf_counter()
     context = multiprocessing.get_context("spawn")  # fresh interpreters: one torch thread each
     with context.Pool(max(1, min(args.jobs, len(cells) or 1))) as pool:
@@ -241,6 +255,8 @@ def main() -> None:
             results.append(result)
     timings = time_chunks(args.tasks[0], args.policies, args.timing_repeats) if args.timing_repeats else {}
     print_tables(results, timings, args.tasks[0])
+    if args.no_train and missing:
+        print("\nnot run: " + ", ".join(f"{c['task']}/{c['policy']}/demos={c['demos']}" for c in missing))
     load = os.getloadavg()
     print(f"\nwall time {time.perf_counter() - started:.0f} s; load average at end {load[0]:.2f} (1 min)")
     headline = {

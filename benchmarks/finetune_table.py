@@ -1,14 +1,15 @@
 """On-policy fine-tuning benchmark.
 
     python benchmarks/finetune_table.py timing            # ReinFlow K=1/K=4 vs DPPO K=10 per iteration
-    python benchmarks/finetune_table.py table --tasks push_t lift peg_insert --algos residual_ppo reinflow \
-        --seeds 0 1 2 --env-steps 200000                  # BC -> fine-tuned success per task/method
+    python benchmarks/finetune_table.py table --tasks push_t --checkpoint BC_DIR --algos residual_ppo \
+        --seeds 0 1 2 --env-steps 500000                  # BC -> fine-tuned success per task/method
 
 `timing` runs the same number of envs and chunks per iteration for each actor on push_t with a
 freshly initialised policy of the default size (speed does not depend on the weights) and
 reports the rollout+update wall time per iteration and the ratio to DPPO K=10, measured in the
-same run. `table` runs `embodied-rl quickstart` per (task, algo, seed) in runs/bench/ and reports
-mean BC and fine-tuned success over seeds with a t-interval, env steps and wall time.
+same run. `table` fine-tunes a given BC checkpoint (--checkpoint) per (algo, seed), or runs
+`embodied-rl quickstart` per (task, algo, seed), in --out, and reports mean BC and fine-tuned
+success over seeds with a t-interval, the per-seed values, env steps and wall time per run.
 The last line printed is one JSON object with the headline numbers.
 """
 
@@ -69,34 +70,71 @@ def timing(args) -> dict:
             "num_envs": args.num_envs, "chunks_per_iteration": args.chunks}
 
 
-def table(args) -> dict:
+def _cli(args: list[str]) -> None:
     from embodied_rl.cli import main as cli
+
+    if cli(args) != 0:
+        raise SystemExit(f"failed: embodied-rl {' '.join(args)}")
+
+
+def _success(run_dir: Path) -> float:
+    return json.loads((run_dir / "eval_info.json").read_text())["overall"]["success_rate"]
+
+
+def table(args) -> dict:
+    """BC -> fine-tuned success per (task, algo) over seeds.
+
+    With --checkpoint (one task): the BC checkpoint is evaluated once and each (algo, seed) runs
+    `embodied-rl finetune` from it, then `embodied-rl eval` of its last checkpoint on the same
+    episodes. Without: `embodied-rl quickstart` per (task, algo, seed) (collect, pretrain, ...).
+    """
     from embodied_rl.eval.stats import mean_interval
 
+    root = Path(args.out)
     rows = {}
     for task in args.tasks:
+        bc_success = None
+        if args.checkpoint:
+            bc_dir = root / f"{task}_bc_eval"
+            if not (bc_dir / "eval_info.json").exists():
+                _cli(["eval", f"task={task}", f"checkpoint={args.checkpoint}", f"episodes={args.eval_episodes}",
+                      "videos=0", f"run_dir={bc_dir}"])
+            bc_success = _success(bc_dir)
         for algo in args.algos:
             before, after, walls = [], [], []
             for seed in args.seeds:
-                run_dir = Path("runs/bench") / f"{task}_{algo}_{seed}"
+                run_dir = root / f"{task}_{algo}_{seed}"
                 start = time.perf_counter()
-                code = cli(["quickstart", f"task={task}", f"algo={algo}", f"seed={seed}", f"run_dir={run_dir}",
-                            f"finetune_env_steps={args.env_steps}", "videos=0",
-                            *(["policy=flow"] if algo in ("reinflow", "flow_sde", "grpo") else [])])
-                if code != 0:
-                    raise SystemExit(f"quickstart failed for {task} {algo} seed {seed}")
+                if args.checkpoint:
+                    if not (run_dir / "finetune" / "eval_info.json").exists():
+                        _cli(["finetune", f"task={task}", f"algo={algo}", f"checkpoint={args.checkpoint}",
+                              f"seed={seed}", f"env_steps={args.env_steps}", f"num_envs={args.num_envs}",
+                              f"eval_every={args.eval_every}", "eval_episodes=50", "videos=0",
+                              f"run_dir={run_dir / 'finetune'}", *args.set])
+                    if not (run_dir / "eval" / "eval_info.json").exists():
+                        _cli(["eval", f"task={task}", f"checkpoint={run_dir / 'finetune' / 'checkpoints' / 'last'}",
+                              f"episodes={args.eval_episodes}", "videos=0", f"run_dir={run_dir / 'eval'}"])
+                    before.append(bc_success)
+                    after.append(_success(run_dir / "eval"))
+                else:
+                    _cli(["quickstart", f"task={task}", f"algo={algo}", f"seed={seed}", f"run_dir={run_dir}",
+                          f"finetune_env_steps={args.env_steps}", "videos=0",
+                          *(["policy=flow"] if algo in ("reinflow", "flow_sde", "grpo") else [])])
+                    info = json.loads((run_dir / "quickstart_info.json").read_text())
+                    before.append(info["before"]["success_rate"])
+                    after.append(info["after"]["success_rate"])
                 walls.append(time.perf_counter() - start)
-                info = json.loads((run_dir / "quickstart_info.json").read_text())
-                before.append(info["before"]["success_rate"])
-                after.append(info["after"]["success_rate"])
             rows[f"{task}/{algo}"] = {"bc": mean_interval(before), "finetuned": mean_interval(after),
+                                      "finetuned_per_seed": after, "seeds": list(args.seeds),
                                       "env_steps": args.env_steps, "wall_s": sum(walls) / len(walls)}
-    print(f"{'task/algo':<28} {'BC success':>22} {'fine-tuned success':>22} {'env steps':>10} {'wall s':>8}")
+    print(f"{'task/algo':<28} {'BC success':>22} {'fine-tuned success':>22} {'per seed':>20} {'env steps':>10} {'wall s':>8}")
     for key, row in rows.items():
         def fmt(s):
             ci = "" if s["ci_low"] is None else f" [{s['ci_low']:.2f},{s['ci_high']:.2f}]"
             return f"{s['mean']:.2f}{ci}"
-        print(f"{key:<28} {fmt(row['bc']):>22} {fmt(row['finetuned']):>22} {row['env_steps']:>10} {row['wall_s']:>8.0f}")
+        seeds = " ".join(f"{v:.2f}" for v in row["finetuned_per_seed"])
+        print(f"{key:<28} {fmt(row['bc']):>22} {fmt(row['finetuned']):>22} {seeds:>20} {row['env_steps']:>10}"
+              f" {row['wall_s']:>8.0f}")
     return rows
 
 
@@ -112,6 +150,12 @@ if __name__ == "__main__":
     b.add_argument("--algos", nargs="+", default=["residual_ppo"])
     b.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     b.add_argument("--env-steps", type=int, default=200000)
+    b.add_argument("--checkpoint", default=None, help="a BC checkpoint to fine-tune (skips collect and pretrain)")
+    b.add_argument("--num-envs", type=int, default=64)
+    b.add_argument("--eval-every", type=int, default=0, help="0 = evaluate at the start and the end only")
+    b.add_argument("--eval-episodes", type=int, default=100, help="episodes of the before/after evaluations")
+    b.add_argument("--out", default="runs/bench", help="run directories; finished runs are reused")
+    b.add_argument("--set", nargs="*", default=[], help="extra finetune overrides, e.g. algo.lr=1e-4")
     arguments = parser.parse_args()
     result = timing(arguments) if arguments.mode == "timing" else table(arguments)
     print(json.dumps(result))

@@ -14,7 +14,7 @@ def test_quickstart_writes_a_report_and_skips_finished_stages(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "pretrained_success" in out and "finetuned_success" in out
     report = (run_dir / "report.md").read_text()
-    assert "| pretrained (diffusion BC) |" in report and "| fine-tuned (residual_ppo) |" in report
+    assert "| pretrained (flow BC) |" in report and "| fine-tuned (residual_ppo) |" in report
     assert "plots/learning_curve.png" in report and (run_dir / "plots" / "learning_curve.png").exists()
     assert "3_eval_pretrained/videos/episode_0.mp4" in report
     for stage in ("1_collect", "2_pretrain", "3_eval_pretrained", "4_finetune", "5_eval_finetuned"):

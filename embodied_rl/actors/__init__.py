@@ -20,6 +20,8 @@ WEIGHTS = "actor.safetensors"
 # kind -> "module:Class"
 ACTORS: dict[str, str] = {
     "residual": "embodied_rl.actors.residual:ResidualActor",
+    "residual_chunk": "embodied_rl.actors.residual:ResidualChunkActor",
+    "latent_noise": "embodied_rl.actors.latent_ppo:LatentNoiseActor",
     "dppo": "embodied_rl.actors.dppo:DPPOActor",
     "flow_noise": "embodied_rl.actors.flow_noise:FlowNoiseActor",
     "flow_sde": "embodied_rl.actors.flow_sde:FlowSDEActor",

@@ -89,9 +89,11 @@ def make_ppo_actor(cfg: Any, policy, num_envs: int):
 
 @torch.no_grad()
 def collect_ppo(env, henv, actor, obs, num_steps: int, sparse_reward: bool = False,
-                shaping: PotentialShaping | None = None):
+                shaping: PotentialShaping | None = None, bootstrap_truncation: bool = True):
     """`num_steps` MDP steps of every env. Returns (batch dict [T, N, ...], next obs, stats).
-    Stats report the env's own episode return and success; the batch holds the training reward."""
+    Stats report the env's own episode return and success; the batch holds the training reward.
+    `bootstrap_truncation=False` gives a time-limited episode no value after its last step (the
+    time limit is part of the task: success must come before it)."""
     rows, returns, successes = [], [], []
     for _ in range(num_steps):
         obs_in = henv.history.buffer.clone() if actor.chunked else obs
@@ -106,6 +108,8 @@ def collect_ppo(env, henv, actor, obs, num_steps: int, sparse_reward: bool = Fal
         next_value = actor.get_value(next_obs)
         if bool(done.any()):
             next_value[done] = actor.get_value(info["final_obs"][done])
+            if not bootstrap_truncation:
+                next_value[truncated] = 0.0
             ended = info["_episode"]
             returns += info["episode"]["return"][ended].tolist()
             successes += info["episode"]["success_once"][ended].float().tolist()
@@ -184,6 +188,11 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     shaping_coef = float(algo.get("reward_shaping", 0.0) or 0.0)
     # shaping adds to the sparse success reward; a dense env reward (hopper) is used as it is
     shaping = PotentialShaping(shaping_coef, float(algo.gamma)) if shaping_coef and sparse_reward else None
+    # With the success reward the goal is success *within* the time limit: running out of time is
+    # a failure, not a cut we bootstrap across (else hovering next to the goal until the limit
+    # is valued like finishing). auto: no bootstrap with the success reward, bootstrap otherwise.
+    bootstrap = algo.get("bootstrap_truncation", "auto")
+    bootstrap_truncation = (not sparse_reward) if bootstrap in ("auto", None) else bool(bootstrap)
 
     # ---- actor, optimiser, counters (resumed from checkpoints/last when it exists) ----
     actor = make_ppo_actor(cfg, policy, num_envs).to(device)
@@ -234,7 +243,8 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
             batch, stats = collect_grpo(env, henv, actor, group_size, max_mdp_steps, sparse_reward)
             mdp_steps = batch["valid"].shape[0]
         else:
-            batch, obs, stats = collect_ppo(env, henv, actor, obs, int(algo.num_steps), sparse_reward, shaping)
+            batch, obs, stats = collect_ppo(env, henv, actor, obs, int(algo.num_steps), sparse_reward, shaping,
+                                            bootstrap_truncation)
             mdp_steps = int(algo.num_steps)
             advantages, returns = core.gae(batch["reward"], batch["value"], batch["next_value"],
                                            batch["terminated"], batch["truncated"],

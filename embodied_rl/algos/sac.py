@@ -258,7 +258,11 @@ class ResidualSAC:
                 residual = self.actor(batch["obs"], batch["base"])
             action = (batch["base"] + residual).clamp(-1, 1)
             q_pi = self.critic(batch["obs"], batch["base"], action).mean(0)
-            actor_loss = (alpha * log_prob - q_pi).mean()
+            # Adam normalises gradient scale away, so even a faint but consistent critic slope
+            # saturates tanh within a few hundred updates; the penalty keeps a residual only
+            # where dQ/dr beats 2 * residual_penalty * (r / scale).
+            penalty = float(self.algo.get("residual_penalty", 0.0)) * (residual / self.actor.scale).pow(2).sum(-1)
+            actor_loss = (alpha * log_prob - q_pi + penalty).mean()
             self.actor_optimizer.zero_grad()
             actor_loss.backward()
             self.actor_optimizer.step()

@@ -22,6 +22,7 @@ ALGOS: dict[str, str] = {
     "reinflow": "embodied_rl.algos.ppo",
     "flow_sde": "embodied_rl.algos.ppo",
     "grpo": "embodied_rl.algos.ppo",
+    "dsrl_ppo": "embodied_rl.algos.ppo",
     "dsrl": "embodied_rl.algos.dsrl",
     "dsrl_na": "embodied_rl.algos.dsrl",
     "residual_sac": "embodied_rl.algos.sac",

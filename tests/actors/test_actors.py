@@ -29,6 +29,7 @@ CASES = [
     ("residual", "diffusion", 4), ("dppo", "diffusion", 4), ("dppo", "diffusion", 1),
     ("flow_noise", "flow", 1), ("flow_noise", "flow", 4), ("flow_noise", "shortcut", 2),
     ("flow_sde", "flow", 4), ("flow_sde", "shortcut", 1), ("flow_sde", "diffusion", 3),
+    ("residual_chunk", "flow", 2), ("latent_noise", "diffusion", 2), ("latent_noise", "flow", 2),
 ]
 
 
@@ -102,7 +103,23 @@ def test_residual_starts_as_the_base_and_resets_the_base_queue_per_env():
     assert runner.next_index.tolist() == [2, 1, 2]
 
 
-@pytest.mark.parametrize("kind,policy_type", [("residual", "flow"), ("flow_noise", "flow"), ("dppo", "diffusion")])
+def test_residual_chunk_and_latent_noise_start_at_the_base_policy():
+    policy = tiny_policy("flow", 2)
+    obs = torch.randn(3, 2, OBS_DIM)
+    residual = make_actor("residual_chunk", policy, 3)
+    out = residual.act(obs, deterministic=True)
+    assert torch.equal(out.actions, out.stash["base_action"].clamp(-1, 1))  # zero-initialised mean
+    latent = make_actor("latent_noise", policy, 3)
+    torch.manual_seed(1)
+    actions = latent.act(obs).actions
+    torch.manual_seed(1)
+    base = policy.predict_chunk(obs)[:, 1:4]  # the same N(0, I) draw: the BC policy's own sample
+    assert torch.allclose(actions, base, atol=1e-5)
+    assert torch.allclose(latent.base_kl(obs, {}), torch.zeros(3), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind,policy_type", [("residual", "flow"), ("flow_noise", "flow"), ("dppo", "diffusion"),
+                                              ("residual_chunk", "flow"), ("latent_noise", "flow")])
 def test_save_and_load_agent_acts_like_the_actor(kind, policy_type, tmp_path):
     actor = make_actor(kind, tiny_policy(policy_type, 2), num_envs=2)
     with torch.no_grad():

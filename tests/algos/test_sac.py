@@ -182,3 +182,25 @@ def test_resume_continues_from_last_checkpoint(tmp_path):
     assert headline["env_steps"] == 200
     counters = json.loads(run.file("checkpoints", "last", "training_state", "counters.json").read_text())
     assert counters["env_steps"] == 200
+
+
+@pytest.mark.parametrize("actor", ["sac", "td3"])
+def test_residual_penalty_keeps_the_residual_small(tmp_path, actor):
+    from embodied_rl.algos.sac import ResidualSAC
+
+    def mean_residual(penalty: float) -> float:
+        torch.manual_seed(0)
+        algo = sac_cfg(tmp_path, actor=actor, residual_penalty=penalty, policy_delay=1).algo
+        learner = ResidualSAC(algo, obs_dim=8, action_dim=2, device=torch.device("cpu"), seed=0)
+        gen = torch.Generator().manual_seed(0)
+        batch = {"obs": torch.randn(32, 8, generator=gen), "base": torch.rand(32, 2, generator=gen) - 0.5,
+                 "action": torch.rand(32, 2, generator=gen) - 0.5, "reward": torch.rand(32, generator=gen),
+                 "discount": torch.full((32,), 0.9), "next_obs": torch.randn(32, 8, generator=gen),
+                 "next_base": torch.rand(32, 2, generator=gen) - 0.5}
+        batch["reward"] = batch["action"][:, 0] * 5  # a clear slope: larger first action, more reward
+        for _ in range(150):
+            learner.update(batch, update_actor=True)
+        return float(learner.actor(batch["obs"], batch["base"]).abs().mean())
+
+    free, penalised = mean_residual(0.0), mean_residual(100.0)
+    assert penalised < 0.5 * free
