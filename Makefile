@@ -20,8 +20,10 @@ install: $(STAMP)
 demo: install
 	MUJOCO_GL=$${MUJOCO_GL:-egl} $(BIN)/embodied-rl quickstart
 
+# pytest exits 5 when it collected no tests: that is a failure, never a silent pass.
 test: install
-	MUJOCO_GL=$${MUJOCO_GL:-egl} $(BIN)/python -m pytest -q -p no:cacheprovider
+	MUJOCO_GL=$${MUJOCO_GL:-egl} $(BIN)/python -m pytest -q -p no:cacheprovider; \
+	status=$$?; if [ $$status -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$status
 
 lint: install
 	$(BIN)/ruff check embodied_rl tests benchmarks
