@@ -100,6 +100,7 @@ def table(args) -> dict:
                 _cli(["eval", f"task={task}", f"checkpoint={args.checkpoint}", f"episodes={args.eval_episodes}",
                       "videos=0", f"run_dir={bc_dir}"])
             bc_success = _success(bc_dir)
+            bc_low, bc_high = json.loads((bc_dir / "eval_info.json").read_text())["overall"]["success_ci95"]
         for algo in args.algos:
             before, after, walls = [], [], []
             for seed in args.seeds:
@@ -116,6 +117,9 @@ def table(args) -> dict:
                               f"episodes={args.eval_episodes}", "videos=0", f"run_dir={run_dir / 'eval'}"])
                     before.append(bc_success)
                     after.append(_success(run_dir / "eval"))
+                    # fine-tuning wall time as the run logged it (also right for a reused run)
+                    metrics = [json.loads(line) for line in (run_dir / "finetune" / "metrics.jsonl").open()]
+                    walls.append(max(r["train/wall_s"] for r in metrics if "train/wall_s" in r))
                 else:
                     _cli(["quickstart", f"task={task}", f"algo={algo}", f"seed={seed}", f"run_dir={run_dir}",
                           f"finetune_env_steps={args.env_steps}", "videos=0",
@@ -123,11 +127,15 @@ def table(args) -> dict:
                     info = json.loads((run_dir / "quickstart_info.json").read_text())
                     before.append(info["before"]["success_rate"])
                     after.append(info["after"]["success_rate"])
-                walls.append(time.perf_counter() - start)
-            rows[f"{task}/{algo}"] = {"bc": mean_interval(before), "finetuned": mean_interval(after),
+                    walls.append(time.perf_counter() - start)
+            # one BC evaluation: its Wilson interval; over seeds: a t-interval of the mean
+            bc = ({"mean": bc_success, "std": None, "ci_low": bc_low, "ci_high": bc_high} if args.checkpoint
+                  else mean_interval(before))
+            rows[f"{task}/{algo}"] = {"bc": bc, "finetuned": mean_interval(after),
                                       "finetuned_per_seed": after, "seeds": list(args.seeds),
                                       "env_steps": args.env_steps, "wall_s": sum(walls) / len(walls)}
     print(f"{'task/algo':<28} {'BC success':>22} {'fine-tuned success':>22} {'per seed':>20} {'env steps':>10} {'wall s':>8}")
+    print("(wall s: per run; with --checkpoint the fine-tuning's own train/wall_s, else the whole quickstart)")
     for key, row in rows.items():
         def fmt(s):
             ci = "" if s["ci_low"] is None else f" [{s['ci_low']:.2f},{s['ci_high']:.2f}]"

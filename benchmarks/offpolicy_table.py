@@ -40,7 +40,7 @@ def finetune_row(algo: str, checkpoint: Path, out: Path, a: argparse.Namespace) 
     start = time.perf_counter()
     cli(["finetune", f"task={a.task}", f"algo={algo}", f"checkpoint={checkpoint}", f"run_dir={run_dir}",
          f"num_envs={a.num_envs}", f"env_steps={a.env_steps}", f"eval_every={a.eval_every}",
-         f"eval_episodes={a.eval_episodes}", "videos=0", f"device={a.device}", *a.override])
+         f"eval_episodes={a.eval_episodes}", "videos=0", f"device={a.device}", f"seed={a.seed}", *a.override])
     wall = time.perf_counter() - start
     evals = [row for row in metrics(run_dir) if "eval/success_rate" in row]
     best_at = next((row["step"] for row in evals if row["eval/success_rate"] >= 0.9), None)
