@@ -3,6 +3,10 @@
 One MDP step is one chunk for chain actors (DPPO, Flow-Noise/ReinFlow, Flow-SDE: the rewards of
 the executed steps are summed, envs.step_chunk) and one env step for the residual actor.
 
+Reward (algo.reward, auto): the task's success (1 on the step that succeeds) where it has one,
+else the env reward; with the success reward the time limit counts as failure (no bootstrap,
+algo.bootstrap_truncation) and per-step actors may add potential-based shaping (PotentialShaping).
+
 PPO: GAE (core.gae) with truncation bootstrapped from info["final_obs"]; a critic on the env
 observation with value clipping; clipped surrogate with dual clip (core.policy_loss), one
 clip range per likelihood column (DPPO's schedule over denoising steps); entropy bonus; an
@@ -14,7 +18,7 @@ GRPO (algo.group_size = G > 1): groups of G envs start from the same initial sta
 advantage (core.group_advantages) is given to every step of that episode; no critic. Groups
 whose members all got the same return carry no signal and are masked out.
 
-Hyperparameters: configs/algo/{residual_ppo,dppo,reinflow,flow_sde,grpo}.yaml.
+Hyperparameters: configs/algo/{residual_ppo,dppo,reinflow,flow_sde,grpo,dsrl_ppo}.yaml.
 """
 
 from __future__ import annotations

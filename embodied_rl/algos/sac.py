@@ -335,8 +335,8 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
 
     demos = None
     demo_fraction = float(algo.demo_fraction)
-    demo_path = find_demo_path(cfg) if demo_fraction > 0 else None
-    if demo_path is not None:
+    demo_path = find_demo_path(cfg) if demo_fraction > 0 or algo.get("data") else None  # a bad algo.data is an error
+    if demo_path is not None and demo_fraction > 0:
         task = getattr(env, "task", None)
         demos = demo_transitions(DemoDataset.load(demo_path), policy, gamma,
                                  bool(getattr(task, "success_terminates", True)), device, sparse)
