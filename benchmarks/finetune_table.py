@@ -121,9 +121,8 @@ def table(args) -> dict:
                     metrics = [json.loads(line) for line in (run_dir / "finetune" / "metrics.jsonl").open()]
                     walls.append(max(r["train/wall_s"] for r in metrics if "train/wall_s" in r))
                 else:
-                    _cli(["quickstart", f"task={task}", f"algo={algo}", f"seed={seed}", f"run_dir={run_dir}",
-                          f"finetune_env_steps={args.env_steps}", "videos=0",
-                          *(["policy=flow"] if algo in ("reinflow", "flow_sde", "grpo") else [])])
+                    _cli(["quickstart", f"task={task}", f"finetune_algo={algo}", f"seed={seed}", f"run_dir={run_dir}",
+                          f"finetune_env_steps={args.env_steps}", "videos=0"])
                     info = json.loads((run_dir / "quickstart_info.json").read_text())
                     before.append(info["before"]["success_rate"])
                     after.append(info["after"]["success_rate"])

@@ -4,8 +4,8 @@ import json
 
 from embodied_rl.cli import main
 
-TINY = ["task=reach", "demos=6", "pretrain_steps=20", "finetune_env_steps=200", "finetune_num_envs=4",
-        "finetune_eval_every=100", "finetune_eval_episodes=2", "eval_episodes=2", "videos=1"]
+TINY = ["task=reach", "finetune_algo=residual_ppo", "demos=6", "pretrain_steps=20", "finetune_env_steps=200",
+        "finetune_num_envs=4", "finetune_eval_every=100", "finetune_eval_episodes=2", "eval_episodes=2", "videos=1"]
 
 
 def test_quickstart_writes_a_report_and_skips_finished_stages(tmp_path, capsys):

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from embodied_rl.errors import UserError
 
-POLICY_SPECIFIC_KEYS = ("num_train_timesteps", "time_sampling", "max_steps", "shortcut_fraction")
+POLICY_SPECIFIC_KEYS = ("num_train_timesteps", "prediction_type", "time_sampling", "max_steps", "shortcut_fraction")
 
 
 def _positive(cfg: DictConfig, key: str, allow_none: bool = False, allow_zero: bool = False) -> None:

@@ -58,7 +58,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
 
     collect_dir = run_stage("collect", "embodied_rl.commands.collect", [*sim, f"demos={cfg.demos}"],
                             root / "1_collect", "collect_info.json")
-    pretrain = [*sim, f"policy={cfg.policy}", f"data={collect_dir / 'demos.zarr'}", "eval_episodes=0", "videos=0"]
+    pretrain = [*sim, f"policy={cfg.bc_policy}", f"data={collect_dir / 'demos.zarr'}", "eval_episodes=0", "videos=0"]
     if cfg.pretrain_steps is not None:
         pretrain.append(f"steps={int(cfg.pretrain_steps)}")
     pretrain_dir = run_stage("pretrain", "embodied_rl.commands.pretrain", pretrain,
@@ -67,7 +67,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     evaluation = [*sim, f"episodes={cfg.eval_episodes}", f"videos={min(cfg.videos, cfg.eval_episodes)}"]
     before_dir = run_stage("eval", "embodied_rl.commands.evaluate", [*evaluation, f"checkpoint={bc_checkpoint}"],
                            root / "3_eval_pretrained", "eval_info.json")
-    finetune = [*sim, f"algo={cfg.algo}", f"checkpoint={bc_checkpoint}", f"env_steps={cfg.finetune_env_steps}",
+    finetune = [*sim, f"algo={cfg.finetune_algo}", f"checkpoint={bc_checkpoint}", f"env_steps={cfg.finetune_env_steps}",
                 f"num_envs={cfg.finetune_num_envs}", f"eval_every={cfg.finetune_eval_every}",
                 f"eval_episodes={cfg.finetune_eval_episodes}", "videos=0"]
     finetune_dir = run_stage("finetune", "embodied_rl.commands.finetune", finetune,
@@ -110,11 +110,11 @@ def write_quickstart_report(root: Path, task: str, cfg: DictConfig, before: dict
     has_success = before["overall"].get("success_rate") is not None
     y_key = "eval/success_rate" if has_success else "eval/return"
     curve = plot_curve(rows, "step", [y_key], root / "plots" / "learning_curve.png",
-                       title=f"{task}: {cfg.algo} fine-tuning (eval every {cfg.finetune_eval_every} env steps)",
+                       title=f"{task}: {cfg.finetune_algo} fine-tuning (eval every {cfg.finetune_eval_every} env steps)",
                        bands={"eval/success_rate": ("eval/success_rate_low", "eval/success_rate_high")})
     sections = [
-        ("Result", success_table({f"pretrained ({cfg.policy} BC)": before["overall"],
-                                  f"fine-tuned ({cfg.algo})": after["overall"]})),
+        ("Result", success_table({f"pretrained ({cfg.bc_policy} BC)": before["overall"],
+                                  f"fine-tuned ({cfg.finetune_algo})": after["overall"]})),
         ("Learning curve", image_link(curve, root, "learning curve") + "\n\nx: env steps of RL; "
          "step 0 is the BC policy. Shaded: 95% Wilson interval."),
         ("Videos: pretrained", video_links(before, root, before_dir)),

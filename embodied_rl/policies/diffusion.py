@@ -1,4 +1,10 @@
-"""Diffusion policy: epsilon prediction trained with DDPM, sampled with DDIM (eta=0).
+"""Diffusion policy: trained with DDPM, sampled with DDIM (eta=0).
+
+The network predicts `prediction_type`: epsilon, v or x0 ("sample"; the config default, which
+the MLP learns much better than epsilon: the epsilon loss is dominated by the nearly unlearnable
+low-noise timesteps). `predict_noise` always returns epsilon, so every step formula below and the
+RL actors work in epsilon whatever the network predicts. The class default stays epsilon so that
+checkpoints written before the option existed load unchanged.
 
 Both schedulers come from diffusers and share one beta schedule (squaredcos_cap_v2, 100 train
 steps). `timesteps()` is the DDIM grid of K integer timesteps, e.g. [90, 80, ..., 0] for K=10.
@@ -16,6 +22,8 @@ from torch import Tensor
 
 from embodied_rl.policies.base import ChunkPolicy
 
+PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
+
 
 class DiffusionPolicy(ChunkPolicy):
     policy_type = "diffusion"
@@ -25,9 +33,13 @@ class DiffusionPolicy(ChunkPolicy):
         *args: Any,
         num_train_timesteps: int = 100,
         beta_schedule: str = "squaredcos_cap_v2",
+        prediction_type: str = "epsilon",
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
+        if prediction_type not in PREDICTION_TYPES:
+            raise ValueError(f"unknown prediction_type '{prediction_type}' (choose from: {', '.join(PREDICTION_TYPES)})")
+        self.prediction_type = prediction_type
         from diffusers import DDIMScheduler, DDPMScheduler
 
         schedule = dict(
@@ -36,7 +48,10 @@ class DiffusionPolicy(ChunkPolicy):
         )
         self.train_scheduler = DDPMScheduler(**schedule)
         self.scheduler = DDIMScheduler(**schedule, set_alpha_to_one=True, steps_offset=0)
-        self.config.update(num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule)
+        self.config.update(
+            num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule,
+            prediction_type=prediction_type,
+        )
         self.set_num_inference_steps(self.num_inference_steps)
 
     def set_num_inference_steps(self, steps: int) -> None:
@@ -48,10 +63,23 @@ class DiffusionPolicy(ChunkPolicy):
     def timesteps(self) -> Tensor:
         return self.scheduler.timesteps.clone()
 
+    def _alpha(self, t: Tensor | float | int, x: Tensor) -> Tensor:
+        """alpha_bar_t broadcast to x ([N, 1, 1] or a scalar)."""
+        alphas = self.train_scheduler.alphas_cumprod.to(x)
+        t = torch.as_tensor(t, device=alphas.device).long()
+        return alphas[t].reshape(-1, 1, 1) if t.ndim else alphas[t]
+
     def predict_noise(self, x: Tensor, t: Tensor | float | int, cond: Tensor) -> Tensor:
-        """The network: epsilon(x_t, t, cond); t is a train timestep in [0, 100)."""
+        """epsilon(x_t, t, cond); t is a train timestep in [0, 100). The network predicts
+        `prediction_type` (epsilon, v or x0); other targets are converted to epsilon here."""
         times = self._expand_time(t, len(x), x.device)[:, None]
-        return self.net(x, times, cond)
+        out = self.net(x, times, cond)
+        if self.prediction_type == "epsilon":
+            return out
+        alpha = self._alpha(t, x)
+        if self.prediction_type == "v_prediction":  # eps = sqrt(a) v + sqrt(1-a) x
+            return alpha.sqrt() * out + (1 - alpha).sqrt() * x
+        return (x - alpha.sqrt() * out) / (1 - alpha).sqrt()  # sample: out is x0
 
     def denoise_step(self, x: Tensor, i: int, cond: Tensor) -> Tensor:
         t = self.scheduler.timesteps[i]
@@ -82,4 +110,7 @@ class DiffusionPolicy(ChunkPolicy):
         noise = torch.randn_like(x0)
         t = torch.randint(0, self.train_scheduler.config.num_train_timesteps, (len(x0),), device=x0.device)
         x_t = self.train_scheduler.add_noise(x0, noise, t)
-        return F.mse_loss(self.predict_noise(x_t, t, cond), noise)
+        times = t.float()[:, None]
+        target = {"epsilon": noise, "sample": x0,
+                  "v_prediction": self.train_scheduler.get_velocity(x0, noise, t)}[self.prediction_type]
+        return F.mse_loss(self.net(x_t, times, cond), target)
