@@ -92,6 +92,20 @@ def make_ppo_actor(cfg: Any, policy, num_envs: int):
 
 
 @torch.no_grad()
+def mdp_step(env, henv, actor, obs):
+    """One MDP step: a whole chunk for chain actors (rewards summed by step_chunk), one env step
+    for per-step actors. Resets the actor's per-env state where an episode ended.
+    Returns (actor input, actor output, next obs, reward, terminated, truncated, info)."""
+    obs_in = henv.history.buffer.clone() if actor.chunked else obs
+    out = actor.act(obs_in)
+    if actor.chunked:
+        next_obs, reward, terminated, truncated, info = step_chunk(henv, out.actions)
+    else:
+        next_obs, reward, terminated, truncated, info = env.step(out.actions)
+    actor.reset((terminated | truncated).cpu())
+    return obs_in, out, next_obs, reward, terminated, truncated, info
+
+
 def collect_ppo(env, henv, actor, obs, num_steps: int, sparse_reward: bool = False,
                 shaping: PotentialShaping | None = None, bootstrap_truncation: bool = True):
     """`num_steps` MDP steps of every env. Returns (batch dict [T, N, ...], next obs, stats).
@@ -100,14 +114,8 @@ def collect_ppo(env, henv, actor, obs, num_steps: int, sparse_reward: bool = Fal
     time limit is part of the task: success must come before it)."""
     rows, returns, successes = [], [], []
     for _ in range(num_steps):
-        obs_in = henv.history.buffer.clone() if actor.chunked else obs
-        out = actor.act(obs_in)
-        if actor.chunked:
-            next_obs, reward, terminated, truncated, info = step_chunk(henv, out.actions)
-        else:
-            next_obs, reward, terminated, truncated, info = env.step(out.actions)
+        obs_in, out, next_obs, reward, terminated, truncated, info = mdp_step(env, henv, actor, obs)
         done = terminated | truncated
-        actor.reset(done.cpu())
         # V of the observation that really followed: final_obs where the episode ended
         next_value = actor.get_value(next_obs)
         if bool(done.any()):
@@ -141,14 +149,8 @@ def collect_grpo(env, henv, actor, group_size: int, max_mdp_steps: int, sparse_r
     success = torch.zeros(n, dtype=torch.bool, device=obs.device)
     rows = []
     for _ in range(max_mdp_steps):
-        obs_in = henv.history.buffer.clone() if actor.chunked else obs
-        out = actor.act(obs_in)
-        if actor.chunked:
-            obs, reward, terminated, truncated, info = step_chunk(henv, out.actions)
-        else:
-            obs, reward, terminated, truncated, info = env.step(out.actions)
+        obs_in, out, obs, reward, terminated, truncated, info = mdp_step(env, henv, actor, obs)
         done = terminated | truncated
-        actor.reset(done.cpu())
         rows.append({"obs": obs_in, "logprob": out.logprob, "valid": running.float(), "stash": out.stash})
         reward = training_reward(reward, info, sparse_reward)
         episode_return += torch.where(running, reward, torch.zeros_like(reward))
