@@ -1,15 +1,16 @@
-"""On-policy fine-tuning benchmark.
+"""Fine-tuning benchmark (on- and off-policy).
 
-    python benchmarks/finetune_table.py timing            # ReinFlow K=1/K=4 vs DPPO K=10 per iteration
-    python benchmarks/finetune_table.py table --tasks push_t --checkpoint BC_DIR --algos residual_ppo \
-        --seeds 0 1 2 --env-steps 500000                  # BC -> fine-tuned success per task/method
+    python benchmarks/finetune_table.py timing       # ReinFlow K=1/K=4 vs DPPO K=10 per iteration
+    python benchmarks/finetune_table.py table --tasks push_t lift peg_insert \
+        --algos dppo residual_ppo residual_sac sac_scratch --seeds 0 1 2 --env-steps 500000
 
 `timing` runs the same number of envs and chunks per iteration for each actor on push_t with a
 freshly initialised policy of the default size (speed does not depend on the weights) and
 reports the rollout+update wall time per iteration and the ratio to DPPO K=10, measured in the
-same run. `table` fine-tunes a given BC checkpoint (--checkpoint) per (algo, seed), or runs
-`embodied-rl quickstart` per (task, algo, seed), in --out, and reports mean BC and fine-tuned
-success over seeds with a t-interval, the per-seed values, env steps and wall time per run.
+same run. `table` fine-tunes each task's BC checkpoint per (algo, seed) in --out (finished runs
+are reused, so an interrupted table resumes) and reports BC and fine-tuned success (mean over
+seeds with a t-interval), per-seed values, env steps and wall time per run, and the env steps
+and wall time to first reach --target; `sac_scratch` rows are Stable-Baselines3 SAC from scratch.
 The last line printed is one JSON object with the headline numbers.
 """
 
@@ -77,75 +78,158 @@ def _cli(args: list[str]) -> None:
         raise SystemExit(f"failed: embodied-rl {' '.join(args)}")
 
 
-def _success(run_dir: Path) -> float:
-    return json.loads((run_dir / "eval_info.json").read_text())["overall"]["success_rate"]
+def _overall(run_dir: Path) -> dict:
+    return json.loads((run_dir / "eval_info.json").read_text())["overall"]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").open() if line.strip()]
+
+
+def bc_checkpoint(task: str, given: dict[str, str], root: Path) -> Path:
+    """The task's BC checkpoint: given with --checkpoints, else collect + pretrain with the task defaults."""
+    if task in given:
+        return Path(given[task])
+    bc_dir = root / f"{task}_bc"
+    if not (bc_dir / "pretrain" / "checkpoints" / "last").exists():
+        if not (bc_dir / "demos.zarr").exists():
+            _cli(["collect", f"task={task}", f"out={bc_dir / 'demos.zarr'}", f"run_dir={bc_dir / 'collect'}"])
+        _cli(["pretrain", f"task={task}", "policy=flow", f"data={bc_dir / 'demos.zarr'}", "videos=0",
+              "eval_episodes=0", f"run_dir={bc_dir / 'pretrain'}"])
+    return bc_dir / "pretrain" / "checkpoints" / "last"
+
+
+def overrides_for(algo: str, sets: list[str]) -> list[str]:
+    """--set entries: `key=value` applies to every algo, `ALGO:key=value` to that algo only."""
+    chosen = []
+    for entry in sets:
+        prefix, _, rest = entry.partition(":")
+        if rest and "=" not in prefix:
+            if prefix == algo:
+                chosen.append(rest)
+        else:
+            chosen.append(entry)
+    return chosen
+
+
+def finetune_run(task: str, algo: str, seed: int, checkpoint: Path, run_dir: Path, args) -> dict:
+    """`embodied-rl finetune`, then `embodied-rl eval` of its last checkpoint (finished runs are reused)."""
+    if not (run_dir / "finetune" / "eval_info.json").exists():
+        _cli(["finetune", f"task={task}", f"algo={algo}", f"checkpoint={checkpoint}", f"seed={seed}",
+              f"env_steps={args.env_steps}", f"num_envs={args.num_envs}", f"eval_every={args.eval_every}",
+              f"eval_episodes={args.curve_episodes}", "videos=0", f"run_dir={run_dir / 'finetune'}",
+              *overrides_for(algo, args.set)])
+    if not (run_dir / "eval" / "eval_info.json").exists():
+        _cli(["eval", f"task={task}", f"checkpoint={run_dir / 'finetune' / 'checkpoints' / 'last'}",
+              f"episodes={args.eval_episodes}", "videos=0", f"seed={args.eval_seed}", f"run_dir={run_dir / 'eval'}"])
+    metrics = _metrics(run_dir / "finetune")
+    evals = [r for r in metrics if "eval/success_rate" in r]
+    reached = next((r for r in evals if r["eval/success_rate"] >= args.target), None)
+    return {"success": _overall(run_dir / "eval")["success_rate"],
+            "env_steps": max(r["step"] for r in metrics),
+            "wall_s": max(r["train/wall_s"] for r in metrics if "train/wall_s" in r),
+            "steps_to_target": None if reached is None else reached["step"],
+            "wall_to_target": None if reached is None else reached.get("eval/train_wall_s")}
+
+
+def sac_scratch_run(task: str, seed: int, run_dir: Path, args) -> dict:
+    """Stable-Baselines3 SAC from scratch (no base policy, SB3 defaults, the task's dense reward) on
+    the task's gymnasium registration, at the same env steps; evaluated like the others."""
+    import gymnasium
+    from stable_baselines3 import SAC
+    from stable_baselines3.common.env_util import make_vec_env
+
+    from embodied_rl import envs
+    from embodied_rl.envs.registry import gym_id
+    from embodied_rl.eval import evaluate
+
+    result_file = run_dir / "result.json"
+    if result_file.exists():
+        return json.loads(result_file.read_text())
+
+    class Agent:
+        def reset(self, mask) -> None:
+            pass
+
+        def act(self, obs):
+            action, _ = model.predict(obs.cpu().numpy(), deterministic=True)
+            return torch.as_tensor(action, dtype=torch.float32)
+
+    start = time.perf_counter()
+    vec_env = make_vec_env(lambda: gymnasium.make(gym_id(task)), n_envs=args.num_envs, seed=seed)
+    model = SAC("MlpPolicy", vec_env, gradient_steps=max(1, args.num_envs // 2), learning_starts=1000, seed=seed)
+    model.learn(total_timesteps=args.env_steps)
+    wall = time.perf_counter() - start
+    eval_env = envs.make(task, num_envs=min(args.eval_episodes, 50), seed=args.eval_seed)
+    info = evaluate(eval_env, Agent(), episodes=args.eval_episodes, seed=args.eval_seed, progress=False)
+    eval_env.close()
+    result = {"success": info["overall"]["success_rate"], "env_steps": int(model.num_timesteps), "wall_s": wall,
+              "steps_to_target": None, "wall_to_target": None}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    result_file.write_text(json.dumps(result))
+    return result
 
 
 def table(args) -> dict:
-    """BC -> fine-tuned success per (task, algo) over seeds.
+    """BC -> fine-tuned success per (task, algo), mean over seeds with a t-interval.
 
-    With --checkpoint (one task): the BC checkpoint is evaluated once and each (algo, seed) runs
-    `embodied-rl finetune` from it, then `embodied-rl eval` of its last checkpoint on the same
-    episodes. Without: `embodied-rl quickstart` per (task, algo, seed) (collect, pretrain, ...).
+    Per task: one BC checkpoint (--checkpoints, or collect + pretrain flow with the task's
+    defaults), evaluated once on --eval-episodes episodes (Wilson interval). Per (algo, seed):
+    `embodied-rl finetune` from it with evaluations every --eval-every env steps (the curve that
+    gives the env steps and training wall time to the first evaluation at >= --target), then
+    `embodied-rl eval` of the last checkpoint on the same episodes as the BC evaluation. Algo
+    `sac_scratch` is Stable-Baselines3 SAC without a base policy, the off-policy baseline.
     """
     from embodied_rl.eval.stats import mean_interval
 
     root = Path(args.out)
+    given = dict(entry.split("=", 1) for entry in args.checkpoints)
     rows = {}
     for task in args.tasks:
-        bc_success = None
-        if args.checkpoint:
-            bc_dir = root / f"{task}_bc_eval"
-            if not (bc_dir / "eval_info.json").exists():
-                _cli(["eval", f"task={task}", f"checkpoint={args.checkpoint}", f"episodes={args.eval_episodes}",
-                      "videos=0", f"run_dir={bc_dir}"])
-            bc_success = _success(bc_dir)
-            bc_low, bc_high = json.loads((bc_dir / "eval_info.json").read_text())["overall"]["success_ci95"]
+        checkpoint = bc_checkpoint(task, given, root)
+        bc_dir = root / f"{task}_bc_eval"
+        if not (bc_dir / "eval_info.json").exists():
+            _cli(["eval", f"task={task}", f"checkpoint={checkpoint}", f"episodes={args.eval_episodes}",
+                  "videos=0", f"seed={args.eval_seed}", f"run_dir={bc_dir}"])
+        bc = _overall(bc_dir)
         for algo in args.algos:
-            before, after, walls = [], [], []
+            runs = []
             for seed in args.seeds:
                 run_dir = root / f"{task}_{algo}_{seed}"
-                start = time.perf_counter()
-                if args.checkpoint:
-                    if not (run_dir / "finetune" / "eval_info.json").exists():
-                        _cli(["finetune", f"task={task}", f"algo={algo}", f"checkpoint={args.checkpoint}",
-                              f"seed={seed}", f"env_steps={args.env_steps}", f"num_envs={args.num_envs}",
-                              f"eval_every={args.eval_every}", "eval_episodes=50", "videos=0",
-                              f"run_dir={run_dir / 'finetune'}", *args.set])
-                    if not (run_dir / "eval" / "eval_info.json").exists():
-                        _cli(["eval", f"task={task}", f"checkpoint={run_dir / 'finetune' / 'checkpoints' / 'last'}",
-                              f"episodes={args.eval_episodes}", "videos=0", f"run_dir={run_dir / 'eval'}"])
-                    before.append(bc_success)
-                    after.append(_success(run_dir / "eval"))
-                    # fine-tuning wall time as the run logged it (also right for a reused run)
-                    metrics = [json.loads(line) for line in (run_dir / "finetune" / "metrics.jsonl").open()]
-                    walls.append(max(r["train/wall_s"] for r in metrics if "train/wall_s" in r))
-                else:
-                    _cli(["quickstart", f"task={task}", f"finetune_algo={algo}", f"seed={seed}", f"run_dir={run_dir}",
-                          f"finetune_env_steps={args.env_steps}", "videos=0"])
-                    info = json.loads((run_dir / "quickstart_info.json").read_text())
-                    before.append(info["before"]["success_rate"])
-                    after.append(info["after"]["success_rate"])
-                    walls.append(time.perf_counter() - start)
-            # one BC evaluation: its Wilson interval; over seeds: a t-interval of the mean
-            bc = ({"mean": bc_success, "std": None, "ci_low": bc_low, "ci_high": bc_high} if args.checkpoint
-                  else mean_interval(before))
-            rows[f"{task}/{algo}"] = {"bc": bc, "finetuned": mean_interval(after),
-                                      "finetuned_per_seed": after, "seeds": list(args.seeds),
-                                      "env_steps": args.env_steps, "wall_s": sum(walls) / len(walls)}
-    print(f"{'task/algo':<28} {'BC success':>22} {'fine-tuned success':>22} {'per seed':>20} {'env steps':>10} {'wall s':>8}")
-    print("(wall s: per run; with --checkpoint the fine-tuning's own train/wall_s, else the whole quickstart)")
+                runs.append(sac_scratch_run(task, seed, run_dir, args) if algo == "sac_scratch"
+                            else finetune_run(task, algo, seed, checkpoint, run_dir, args))
+            reached = [r for r in runs if r["steps_to_target"] is not None]
+            rows[f"{task}/{algo}"] = {
+                "bc": {"mean": bc["success_rate"], "ci_low": bc["success_ci95"][0], "ci_high": bc["success_ci95"][1]},
+                "finetuned": mean_interval([r["success"] for r in runs]),
+                "finetuned_per_seed": [r["success"] for r in runs], "seeds": list(args.seeds),
+                "env_steps": max(r["env_steps"] for r in runs),
+                "wall_s": sum(r["wall_s"] for r in runs) / len(runs),
+                "reached_target": f"{len(reached)}/{len(runs)}",
+                "steps_to_target": (sum(r["steps_to_target"] for r in reached) / len(reached)) if reached else None,
+                "wall_to_target": (sum(r["wall_to_target"] or 0.0 for r in reached) / len(reached)) if reached else None,
+            }
+
+    def fmt(s: dict) -> str:
+        ci = "" if s["ci_low"] is None else f" [{s['ci_low']:.2f},{s['ci_high']:.2f}]"
+        return f"{s['mean']:.2f}{ci}"
+
+    print(f"\n{args.eval_episodes} evaluation episodes per number; BC: Wilson 95% interval; fine-tuned: mean over "
+          f"seeds with a t 95% interval. 'to {args.target:.0%}': seeds whose periodic evaluation "
+          f"({args.curve_episodes} episodes every {args.eval_every} env steps) reached it, and their mean env "
+          f"steps and training wall time to get there. wall s: training wall time per run.")
+    print(f"{'task/algo':<26} {'BC success':>18} {'fine-tuned success':>20} {'per seed':>16} {'env steps':>10}"
+          f" {'wall s':>7} {'to target':>9} {'steps':>9} {'wall s':>7}")
     for key, row in rows.items():
-        def fmt(s):
-            ci = "" if s["ci_low"] is None else f" [{s['ci_low']:.2f},{s['ci_high']:.2f}]"
-            return f"{s['mean']:.2f}{ci}"
         seeds = " ".join(f"{v:.2f}" for v in row["finetuned_per_seed"])
-        print(f"{key:<28} {fmt(row['bc']):>22} {fmt(row['finetuned']):>22} {seeds:>20} {row['env_steps']:>10}"
-              f" {row['wall_s']:>8.0f}")
+        steps = "-" if row["steps_to_target"] is None else f"{row['steps_to_target']:.0f}"
+        wall = "-" if row["wall_to_target"] is None else f"{row['wall_to_target']:.0f}"
+        print(f"{key:<26} {fmt(row['bc']):>18} {fmt(row['finetuned']):>20} {seeds:>16} {row['env_steps']:>10}"
+              f" {row['wall_s']:>7.0f} {row['reached_target']:>9} {steps:>9} {wall:>7}")
     return rows
 
 
-if __name__ == "__main__":
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="mode", required=True)
     t = sub.add_parser("timing")
@@ -154,15 +238,25 @@ if __name__ == "__main__":
     t.add_argument("--repeats", type=int, default=3)
     b = sub.add_parser("table")
     b.add_argument("--tasks", nargs="+", default=["push_t", "lift", "peg_insert"])
-    b.add_argument("--algos", nargs="+", default=["residual_ppo"])
+    b.add_argument("--algos", nargs="+", default=["dppo", "residual_ppo"],
+                   help="finetune algos (on- or off-policy) and/or sac_scratch")
     b.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    b.add_argument("--env-steps", type=int, default=200000)
-    b.add_argument("--checkpoint", default=None, help="a BC checkpoint to fine-tune (skips collect and pretrain)")
+    b.add_argument("--env-steps", type=int, default=500000)
+    b.add_argument("--checkpoints", nargs="*", default=[],
+                   help="TASK=DIR BC checkpoints; a task without one gets collect + pretrain (flow) with its defaults")
     b.add_argument("--num-envs", type=int, default=64)
-    b.add_argument("--eval-every", type=int, default=0, help="0 = evaluate at the start and the end only")
-    b.add_argument("--eval-episodes", type=int, default=100, help="episodes of the before/after evaluations")
+    b.add_argument("--eval-every", type=int, default=100000, help="env steps between curve evaluations; 0 = end only")
+    b.add_argument("--curve-episodes", type=int, default=50, help="episodes per curve evaluation")
+    b.add_argument("--eval-episodes", type=int, default=100, help="episodes of the BC and final evaluations")
+    b.add_argument("--eval-seed", type=int, default=1000)
+    b.add_argument("--target", type=float, default=0.9, help="success rate whose first crossing is timed")
     b.add_argument("--out", default="runs/bench", help="run directories; finished runs are reused")
-    b.add_argument("--set", nargs="*", default=[], help="extra finetune overrides, e.g. algo.lr=1e-4")
-    arguments = parser.parse_args()
+    b.add_argument("--set", nargs="*", default=[],
+                   help="finetune overrides: key=value for every algo, ALGO:key=value for one (dppo:algo.lr=3e-4)")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
     result = timing(arguments) if arguments.mode == "timing" else table(arguments)
     print(json.dumps(result))

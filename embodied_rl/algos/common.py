@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,8 @@ class Evaluator:
     `maybe_evaluate(step, make_agent)` runs when `step` crossed the next multiple of
     eval_every (or `force=True`), logs eval/* scalars at `step` and returns the eval_info
     (None when it did not run). Videos go to videos/step_<step>/ (cfg.videos of them).
+    `eval/train_wall_s` is the wall time since the evaluator was made (the start of training, or
+    of the resumed part) minus the time spent evaluating: the training time to reach that point.
     """
 
     def __init__(self, cfg: Any, run: Run, last_step: int = 0):
@@ -133,6 +136,8 @@ class Evaluator:
         self.env = None
         self.last_info: dict[str, Any] | None = None
         self.last_step: int | None = None
+        self.start_time = time.perf_counter()
+        self.eval_seconds = 0.0
 
     def _make_env(self):
         if self.env is None:
@@ -153,6 +158,7 @@ class Evaluator:
             return None
         from embodied_rl.eval import evaluate
 
+        eval_start = time.perf_counter()
         env = self._make_env()
         videos = min(int(self.cfg.videos), int(self.cfg.eval_episodes))
         info = evaluate(
@@ -161,7 +167,8 @@ class Evaluator:
             video_dir=self.run.file("videos", f"step_{step}") if videos else None, progress=False,
         )
         overall = info["overall"]
-        metrics = {"eval/return": overall["avg_sum_reward"], "eval/episode_length": overall["avg_episode_length"]}
+        metrics = {"eval/return": overall["avg_sum_reward"], "eval/episode_length": overall["avg_episode_length"],
+                   "eval/train_wall_s": eval_start - self.start_time - self.eval_seconds}
         if overall.get("success_rate") is not None:
             low, high = overall["success_ci95"]
             metrics.update({"eval/success_rate": overall["success_rate"],
@@ -172,6 +179,7 @@ class Evaluator:
             self.next_step = (step // self.every + 1) * self.every
         self.last_info = info
         self.last_step = int(step)
+        self.eval_seconds += time.perf_counter() - eval_start
         return info
 
     def close(self) -> None:
