@@ -1,8 +1,8 @@
 """embodied-rl collect: run a task's scripted expert in parallel envs and write a demo dataset.
 
 Each env's episode is recorded step by step (state obs, action, reward, optionally pixels); a
-finished episode is kept if it succeeded (or always, with only_success=false) and was not cut
-short by unstable physics. Collection stops once `demos` episodes are kept, or after
+finished episode is kept if it succeeded (or always, with only_success=false or for a task
+without success, like hopper) and was not cut short by unstable physics. Collection stops once `demos` episodes are kept, or after
 `max_episodes` attempts (default 20 * demos): then whatever was kept is written.
 """
 
@@ -45,6 +45,8 @@ def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_
                      pixels: bool, seed: int) -> tuple[list[dict[str, np.ndarray]], int, int]:
     """Run the expert until `demos` episodes are kept; return (kept, attempted, successes)."""
     n = env.num_envs
+    # a task without success (reward-only, e.g. hopper) keeps every stable episode
+    only_success = only_success and bool(getattr(env.task, "has_success", True))
     obs, _ = env.reset(seed=seed)
     expert.reset(torch.ones(n, dtype=torch.bool))
     buffers: list[dict[str, list]] = [{"obs": [], "action": [], "reward": [], "pixels": []} for _ in range(n)]
@@ -101,12 +103,15 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
             env, expert, cfg.demos, max_episodes, cfg.only_success, cfg.pixels, cfg.seed
         )
         obs_dim, action_dim = env.task.obs_dim, env.task.action_dim
+        has_success = bool(getattr(env.task, "has_success", True))
     finally:
         env.close()
-    success_rate = successes / max(attempted, 1)
+    # a task without success reports no success rate; the demos' mean return stands in
+    success_rate = successes / max(attempted, 1) if has_success else None
+    demo_return = float(np.mean([episode["reward"].sum() for episode in kept])) if kept else None
     if not kept:
         raise UserError(
-            f"the expert kept no episode in {attempted} attempts (success rate {success_rate:.2f}); "
+            f"the expert kept no episode in {attempted} attempts (success rate {success_rate or 0:.2f}); "
             "raise quality or set only_success=false"
         )
     attrs = {
@@ -121,6 +126,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         "episodes_written": len(kept),
         "episodes_attempted": attempted,
         "expert_success_rate": success_rate,
+        "demo_return_mean": demo_return,
         "quality": float(cfg.quality),
         "seed": int(cfg.seed),
         "pixels": bool(cfg.pixels),
@@ -129,6 +135,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     run.write_json("collect_info.json", info)
     run.close()
     headline = {"dataset": str(out), "expert_success_rate": success_rate, "episodes_written": len(kept)}
+    if not has_success:
+        headline = {"dataset": str(out), "demo_return_mean": demo_return, "episodes_written": len(kept)}
     if len(kept) < cfg.demos:
         headline["warning"] = f"only {len(kept)} of {cfg.demos} episodes kept after {attempted} attempts"
     return headline, run.path

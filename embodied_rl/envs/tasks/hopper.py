@@ -1,8 +1,8 @@
 """hopper: gymnasium's Hopper-v5 (one-legged hopping forward) as a batched torch task.
 
 Model: gymnasium's hopper.xml unchanged (assets/hopper.xml; RK4, 2 ms physics, 4 substeps: 125 Hz
-control, like Hopper-v5's frame_skip=4). Reward-based, no success notion (has_success = False)
-and no scripted expert.
+control, like Hopper-v5's frame_skip=4). Reward-based, no success notion (has_success = False);
+its expert is a shipped PPO actor (embodied_rl/envs/experts/hopper.py).
 
 Action (3): torques of the thigh, leg and foot motors in [-1, 1] (gear 200).
 Observation (11): qpos without the x position (5) and qvel clipped to [-10, 10] (6), as in v5.
