@@ -26,7 +26,7 @@ test: install
 	status=$$?; if [ $$status -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$status
 
 lint: install
-	$(BIN)/ruff check embodied_rl tests benchmarks
+	$(BIN)/ruff check embodied_rl tests benchmarks scripts
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

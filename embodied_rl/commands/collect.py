@@ -2,8 +2,9 @@
 
 Each env's episode is recorded step by step (state obs, action, reward, optionally pixels); a
 finished episode is kept if it succeeded (or always, with only_success=false or for a task
-without success, like hopper) and was not cut short by unstable physics. Collection stops once `demos` episodes are kept, or after
-`max_episodes` attempts (default 20 * demos): then whatever was kept is written.
+without success, like hopper) and was not cut short by unstable physics. Collection stops once
+`demos` episodes are kept, or after `max_episodes` attempts (default 20 * demos): then whatever
+was kept is written.
 """
 
 from __future__ import annotations
