@@ -5,7 +5,8 @@ import json
 from embodied_rl.cli import main
 
 TINY = ["task=reach", "finetune_algo=residual_ppo", "demos=6", "pretrain_steps=20", "finetune_env_steps=200",
-        "finetune_num_envs=4", "finetune_eval_every=100", "finetune_eval_episodes=2", "eval_episodes=2", "videos=1"]
+        "finetune_num_envs=4", "finetune_eval_every=100", "finetune_eval_episodes=2", "eval_episodes=2", "videos=1",
+        "finetune_overrides.residual_ppo=['algo.clip=0.25']"]
 
 
 def test_quickstart_writes_a_report_and_skips_finished_stages(tmp_path, capsys):
@@ -19,6 +20,8 @@ def test_quickstart_writes_a_report_and_skips_finished_stages(tmp_path, capsys):
     assert "3_eval_pretrained/videos/episode_0.mp4" in report
     for stage in ("1_collect", "2_pretrain", "3_eval_pretrained", "4_finetune", "5_eval_finetuned"):
         assert (run_dir / stage / "config.yaml").exists()
+    # finetune_overrides apply per algo: the one given for residual_ppo reaches its finetune stage
+    assert "clip: 0.25" in (run_dir / "4_finetune" / "config.yaml").read_text()
     info = json.loads((run_dir / "quickstart_info.json").read_text())
     assert info["before"]["n_episodes"] == 2 and info["after"]["n_episodes"] == 2
 

@@ -69,7 +69,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
                            root / "3_eval_pretrained", "eval_info.json")
     finetune = [*sim, f"algo={cfg.finetune_algo}", f"checkpoint={bc_checkpoint}", f"env_steps={cfg.finetune_env_steps}",
                 f"num_envs={cfg.finetune_num_envs}", f"eval_every={cfg.finetune_eval_every}",
-                f"eval_episodes={cfg.finetune_eval_episodes}", "videos=0"]
+                f"eval_episodes={cfg.finetune_eval_episodes}", "videos=0",
+                *cfg.finetune_overrides.get(cfg.finetune_algo, [])]
     finetune_dir = run_stage("finetune", "embodied_rl.commands.finetune", finetune,
                              root / "4_finetune", "eval_info.json", resumable=True)
     after_dir = run_stage("eval", "embodied_rl.commands.evaluate",
