@@ -99,18 +99,25 @@ def export(model: PPO, vec_normalize: VecNormalize, path: Path) -> None:
     path.chmod(0o644)  # safetensors writes 0600; the shipped file must be world-readable
 
 
-def evaluate(path: Path, episodes: int, seed: int) -> list[float]:
-    """Returns of the exported actor (plain torch, deterministic) over full episodes."""
+def evaluate_actor(path: Path, episodes: int, seed: int) -> list[float]:
+    """Returns of the exported actor (plain torch, deterministic), with the project's evaluator."""
+    from embodied_rl.eval import evaluate
+
     actor = load_actor(path)
+
+    class Agent:
+        def reset(self, mask) -> None:
+            pass
+
+        def act(self, obs):
+            return actor(obs)
+
     env = make("hopper", num_envs=episodes)
-    obs, _ = env.reset(seed=seed)
-    returns: list[float | None] = [None] * episodes
-    for _ in range(env.max_episode_steps):
-        obs, _, _, _, info = env.step(actor(obs))
-        for i in torch.nonzero(info["_episode"]).flatten().tolist():
-            if returns[i] is None:
-                returns[i] = float(info["episode"]["return"][i])
-    return [value for value in returns if value is not None]
+    try:
+        info = evaluate(env, Agent(), episodes=episodes, seed=seed, progress=False)
+    finally:
+        env.close()
+    return [record["return"] for record in info["per_episode"]]
 
 
 class StopAfter(BaseCallback):
@@ -155,7 +162,7 @@ def main() -> None:
     minutes = (time.time() - started) / 60
 
     export(model, vec_env, args.out)
-    returns = evaluate(args.out, episodes=10, seed=12345)
+    returns = evaluate_actor(args.out, episodes=10, seed=12345)
     print(f"exported {args.out} after {model.num_timesteps} steps ({minutes:.1f} min); "
           f"return {np.mean(returns):.1f} +- {np.std(returns):.1f} over {len(returns)} episodes", flush=True)
     metadata = {

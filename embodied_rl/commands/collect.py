@@ -46,8 +46,6 @@ def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_
                      pixels: bool, seed: int) -> tuple[list[dict[str, np.ndarray]], int, int]:
     """Run the expert until `demos` episodes are kept; return (kept, attempted, successes)."""
     n = env.num_envs
-    # a task without success (reward-only, e.g. hopper) keeps every stable episode
-    only_success = only_success and bool(getattr(env.task, "has_success", True))
     obs, _ = env.reset(seed=seed)
     expert.reset(torch.ones(n, dtype=torch.bool))
     buffers: list[dict[str, list]] = [{"obs": [], "action": [], "reward": [], "pixels": []} for _ in range(n)]
@@ -100,11 +98,12 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         generator = torch.Generator().manual_seed(int(cfg.seed) + 1)
         expert = make_expert(cfg.task.name, env, quality=float(cfg.quality), generator=generator)
         max_episodes = cfg.max_episodes if cfg.max_episodes is not None else 20 * cfg.demos
+        # a task without success (reward-only, e.g. hopper) keeps every stable episode
+        has_success = bool(env.task.has_success)
         kept, attempted, successes = collect_episodes(
-            env, expert, cfg.demos, max_episodes, cfg.only_success, cfg.pixels, cfg.seed
+            env, expert, cfg.demos, max_episodes, cfg.only_success and has_success, cfg.pixels, cfg.seed
         )
         obs_dim, action_dim = env.task.obs_dim, env.task.action_dim
-        has_success = bool(getattr(env.task, "has_success", True))
     finally:
         env.close()
     # a task without success reports no success rate; the demos' mean return stands in
@@ -135,9 +134,9 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     }
     run.write_json("collect_info.json", info)
     run.close()
-    headline = {"dataset": str(out), "expert_success_rate": success_rate, "episodes_written": len(kept)}
-    if not has_success:
-        headline = {"dataset": str(out), "demo_return_mean": demo_return, "episodes_written": len(kept)}
+    quality_key, quality_value = (("expert_success_rate", success_rate) if has_success
+                                  else ("demo_return_mean", demo_return))
+    headline = {"dataset": str(out), quality_key: quality_value, "episodes_written": len(kept)}
     if len(kept) < cfg.demos:
         headline["warning"] = f"only {len(kept)} of {cfg.demos} episodes kept after {attempted} attempts"
     return headline, run.path
