@@ -47,3 +47,13 @@ def test_finetune_table_reports_each_algo_over_seeds_and_resumes(tmp_path, capsy
     finished = (tmp_path / "out" / "reach_residual_ppo_0" / "eval" / "eval_info.json").stat().st_mtime
     assert bench.table(bench.parse_args()) == rows
     assert (tmp_path / "out" / "reach_residual_ppo_0" / "eval" / "eval_info.json").stat().st_mtime == finished
+
+
+def test_residual_sac_update_cost_grows_with_the_ensemble(capsys):
+    bench = load_benchmark("residual_sac_update")
+    results = bench.main(["--ensembles", "2", "8", "--widths", "64", "--updates", "5", "--warmup", "1"])
+    rows = {(row["ensemble"], row["width"]): row for row in results["rows"]}
+    assert set(rows) == {(2, 64), (8, 64)} and results["baseline_ms"] > 0
+    # 4x the critics: clearly more work per update than the baseline's 2 (compute, not overhead)
+    assert rows[(8, 64)]["ms"] > rows[(2, 64)]["ms"]
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == results
