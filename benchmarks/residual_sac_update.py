@@ -4,11 +4,12 @@ size and critic width, as a ratio to the 2-critic, 256-wide baseline measured in
     PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python benchmarks/residual_sac_update.py
     PYTHONPATH=. .venv/bin/python benchmarks/residual_sac_update.py --ensembles 2 10 --widths 256 --device cuda
 
-Why it matters: on a CPU the update, not the simulator, sets residual SAC's wall time (peg_insert,
-64 envs: ~95% of a run), and its cost grows linearly with the ensemble, so `algo.ensemble` and
-`algo.utd_ratio` together decide how many env steps fit in a budget. The batch is random data of
-peg_insert's sizes (obs 30, action 6); the configuration is configs/algo/residual_sac.yaml with
-the ensemble and critic width swapped. The last line is one JSON object with the numbers.
+Why it matters: on a CPU the update, not the simulator, sets residual SAC's wall time
+(peg_insert, 64 envs, 10 critics, utd 0.5: ~95% of a run), and its cost grows linearly with the
+ensemble, so `algo.ensemble` and `algo.utd_ratio` together decide how many env steps fit in a
+budget. The batch is random data of peg_insert's sizes (obs 9, action 3); the configuration is
+configs/algo/residual_sac.yaml with the ensemble and critic width swapped. The last line is one
+JSON object with the numbers.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--widths", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--updates", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--obs-dim", type=int, default=30)
-    parser.add_argument("--action-dim", type=int, default=6)
+    parser.add_argument("--obs-dim", type=int, default=9)
+    parser.add_argument("--action-dim", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
 
