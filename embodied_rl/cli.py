@@ -81,9 +81,13 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
+# numbers that may also be given per action dimension, as a list (the actor checks the length)
+PER_DIM_KEYS = {"algo.actor_kwargs.action_scale"}
+
+
 def _check_types(reference: Any, composed: Any, overrides: list[str]) -> None:
     """A value overridden on the command line must have the type of its default."""
-    from omegaconf import OmegaConf
+    from omegaconf import ListConfig, OmegaConf
 
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
@@ -97,6 +101,8 @@ def _check_types(reference: Any, composed: Any, overrides: list[str]) -> None:
             ok = isinstance(value, bool)
         elif isinstance(default, int):
             ok = isinstance(value, int) and not isinstance(value, bool)
+        elif isinstance(default, float) and key in PER_DIM_KEYS and isinstance(value, ListConfig):
+            ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
         elif isinstance(default, float):
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         elif isinstance(default, str):

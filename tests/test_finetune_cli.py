@@ -31,7 +31,8 @@ def metrics(run_dir):
 
 
 @pytest.mark.parametrize("algo,policy,extra", [
-    ("residual_ppo", "flow", ["algo.num_steps=25", "algo.actor_kwargs.hidden=16"]),
+    ("residual_ppo", "flow", ["algo.num_steps=25", "algo.actor_kwargs.hidden=16",
+                              "algo.actor_kwargs.action_scale=[0.1,0.5]"]),  # a scale per action dim
     ("dppo", "diffusion", ["algo.num_steps=8", "algo.actor_kwargs.ft_denoising_steps=1"]),
     ("reinflow", "flow", ["algo.num_steps=8"]),
     ("flow_sde", "flow", ["algo.num_steps=8"]),
@@ -86,3 +87,8 @@ def test_bad_input_is_one_line(checkpoints, tmp_path, capsys):
     assert main(["finetune", "task=reach", "algo=grpo", "num_envs=3", f"checkpoint={checkpoints / 'flow'}",
                  f"run_dir={tmp_path / 'g'}"]) == 2
     assert "group_size" in capsys.readouterr().err
+    scale = ["task=reach", f"checkpoint={checkpoints / 'flow'}", f"run_dir={tmp_path / 's'}"]
+    assert main(["finetune", *scale, "algo.actor_kwargs.action_scale=[0.1,0.1,0.1]"]) == 2  # reach: 2 dims
+    assert "one per action dim" in capsys.readouterr().err
+    assert main(["finetune", *scale, "algo.actor_kwargs.action_scale=[0.1,big]"]) == 2
+    assert "bad value for 'algo.actor_kwargs.action_scale'" in capsys.readouterr().err

@@ -5,7 +5,9 @@ frozen base policy's action at every env step.
     mean, std = head([normalised obs, base])                  # zero-initialised mean
     action = clamp(base + action_scale * (mean + std * z), -1, 1)
 
-The likelihood is that of the residual sample r = mean + std * z (summed over action dims); the
+`action_scale` is one number or one per action dimension (e.g. a larger one for a gripper, so the
+residual can overrule the base's open/close). The likelihood is that of the residual sample
+r = mean + std * z (summed over action dims); the
 base action is stashed, so the base policy's own sampling noise is part of the environment. The
 base policy's action queue is reset per env at every episode end (`reset(mask)`), so no episode
 starts with the leftovers of the previous one.
@@ -18,6 +20,18 @@ from torch import Tensor
 
 from embodied_rl.actors.base import Actor, ActorOutput, Critic, gaussian_entropy, gaussian_logprob
 from embodied_rl.actors.gaussian import GaussianHead
+from embodied_rl.errors import UserError
+
+
+def residual_scale(action_scale: float | list[float], action_dim: int) -> Tensor:
+    """The residual's scale per action dimension [A]: one number for all, or one per dimension."""
+    scale = torch.as_tensor(action_scale, dtype=torch.float32).flatten()
+    if scale.numel() == 1:
+        scale = scale.expand(action_dim).clone()
+    if scale.numel() != action_dim or not bool((scale > 0).all()):
+        raise UserError(f"action_scale must be one positive number or {action_dim} of them (one per action dim), "
+                        f"got {action_scale}")
+    return scale
 
 
 class ResidualActor(Actor):
@@ -28,7 +42,7 @@ class ResidualActor(Actor):
         self,
         policy,
         num_envs: int,
-        action_scale: float = 0.1,
+        action_scale: float | list[float] = 0.1,
         init_std: float = 1.0,
         learn_std: bool = True,
         hidden: int = 256,
@@ -42,7 +56,7 @@ class ResidualActor(Actor):
                             hidden=hidden, layers=layers, critic_hidden=critic_hidden)
         self.policy = policy.eval().requires_grad_(False)
         self.runner = PolicyRunner(policy, num_envs)
-        self.action_scale = action_scale
+        self.register_buffer("action_scale", residual_scale(action_scale, policy.action_dim), persistent=False)
         self.head = GaussianHead(policy.obs_dim + policy.action_dim, policy.action_dim, hidden, layers,
                                  init_std=init_std, learn_std=learn_std, zero_init=True)
         self.critic = Critic(policy, critic_hidden)
@@ -106,7 +120,7 @@ class ResidualChunkActor(Actor):
         self,
         policy,
         num_envs: int = 1,
-        action_scale: float = 0.1,
+        action_scale: float | list[float] = 0.1,
         init_std: float = 1.0,
         learn_std: bool = True,
         hidden: int = 256,
@@ -122,7 +136,7 @@ class ResidualChunkActor(Actor):
         self.n_obs_steps = policy.n_obs_steps
         self.n_action_steps = policy.n_action_steps
         self.executed = slice(policy.n_obs_steps - 1, policy.n_obs_steps - 1 + policy.n_action_steps)
-        self.action_scale = action_scale
+        self.register_buffer("action_scale", residual_scale(action_scale, policy.action_dim), persistent=False)
         chunk = policy.n_action_steps * policy.action_dim
         self.head = GaussianHead(policy.n_obs_steps * policy.obs_dim + chunk, chunk, hidden, layers,
                                  init_std=init_std, learn_std=learn_std, zero_init=True)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from embodied_rl.actors import ActorAgent, load_agent, make_actor, save_actor
+from embodied_rl.errors import UserError
 from embodied_rl.policies import make_policy
 
 OBS_DIM, ACTION_DIM = 3, 2
@@ -101,6 +102,21 @@ def test_residual_starts_as_the_base_and_resets_the_base_queue_per_env():
     assert runner.next_index.tolist() == [1, 3, 1]  # env 1 replans: no queue leaks across episodes
     actor.act(obs)
     assert runner.next_index.tolist() == [2, 1, 2]
+
+
+def test_residual_scale_per_action_dim():
+    policy = tiny_policy("flow", 2)
+    scale = [0.1] * (ACTION_DIM - 1) + [1.0]
+    for kind, obs in (("residual", torch.randn(3, OBS_DIM)), ("residual_chunk", torch.randn(3, 2, OBS_DIM))):
+        actor = make_actor(kind, policy, 3, action_scale=scale)
+        out = actor.act(obs)
+        step = (out.actions - out.stash["base_action"]).reshape(3, -1, ACTION_DIM)
+        residual = out.stash["residual"].reshape(3, -1, ACTION_DIM)
+        inside = out.actions.abs().reshape(3, -1, ACTION_DIM) < 1  # not clamped
+        assert torch.allclose(step[inside], (residual * torch.tensor(scale))[inside], atol=1e-6)
+        assert "action_scale" not in actor.state_dict()  # rebuilt from the config, not saved
+    with pytest.raises(UserError, match="one per action dim"):
+        make_actor("residual", policy, 3, action_scale=[0.1] * (ACTION_DIM + 1))
 
 
 def test_residual_chunk_and_latent_noise_start_at_the_base_policy():
