@@ -159,11 +159,20 @@ class ResidualActor(nn.Module):
         return self.scale * torch.tanh(u), log_prob.sum(-1)
 
 
+def actor_obs(policy: Any, obs: Tensor, normalize: bool) -> Tensor:
+    """What the residual actor and the critics see: the observation normalised by the base policy's
+    normaliser (fitted on the demos; min-max to [-1, 1] by default). Raw metre-scaled inputs bury
+    the millimetre offsets that decide a peg insertion. `normalize=False`: the raw observation
+    (checkpoints written before normalisation existed)."""
+    return policy.normalizer.normalize("obs", obs.float()) if normalize else obs
+
+
 class ResidualAgent:
     """Base policy + deterministic residual, per env step: `reset(mask)`, `act(obs) -> [N, A]`."""
 
-    def __init__(self, actor: ResidualActor, policy: Any, num_envs: int):
+    def __init__(self, actor: ResidualActor, policy: Any, num_envs: int, normalize_obs: bool = True):
         self.actor = actor
+        self.policy, self.normalize_obs = policy, normalize_obs
         self.queue = BaseActionQueue(policy, num_envs)
 
     def reset(self, mask: Tensor) -> None:
@@ -174,7 +183,8 @@ class ResidualAgent:
         obs = state_obs(obs)
         base = self.queue.act(obs)
         device = next(self.actor.parameters()).device
-        residual = self.actor(obs.to(device), base.to(device)).to(obs.device)
+        features = actor_obs(self.policy, obs.to(device), self.normalize_obs)
+        residual = self.actor(features, base.to(device)).to(obs.device)
         return (base + residual).clamp(-1.0, 1.0)
 
 
@@ -220,4 +230,4 @@ def load_agent(path: str | Path, num_envs: int, device: str | torch.device = "cp
     except RuntimeError as error:
         raise UserError(f"checkpoint '{path}': actor weights do not match agent.json ({error})") from None
     base_policy = load_policy(Path(path) / "base_policy", device=device).eval()
-    return ResidualAgent(actor.to(device).eval(), base_policy, num_envs)
+    return ResidualAgent(actor.to(device).eval(), base_policy, num_envs, bool(config.get("normalize_obs", False)))

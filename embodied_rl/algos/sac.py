@@ -29,6 +29,7 @@ from embodied_rl.actors.latent_noise import state_obs
 from embodied_rl.actors.residual_offpolicy import (
     BaseActionQueue,
     ResidualAgent,
+    actor_obs,
     load_tensors,
     make_actor,
     mlp,
@@ -200,7 +201,8 @@ class ResidualSAC:
             raise UserError("algo.ensemble must be >= 2 and algo.n_step >= 1")
         self.algo, self.device = algo, device
         self.config = {"obs_dim": obs_dim, "action_dim": action_dim, "hidden_sizes": list(algo.actor_hidden_sizes),
-                       "residual_scale": float(algo.residual_scale), "actor": str(algo.actor)}
+                       "residual_scale": float(algo.residual_scale), "actor": str(algo.actor),
+                       "normalize_obs": bool(algo.normalize_obs)}
         self.actor = make_actor(self.config).to(device)
         self.actor_target = make_actor(self.config).to(device).requires_grad_(False)
         self.actor_target.load_state_dict(self.actor.state_dict())
@@ -335,6 +337,9 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     if utd <= 0:
         raise UserError(f"algo.utd_ratio must be > 0, got {utd}")
 
+    def features(obs: Tensor) -> Tensor:  # what the actor and the critics see (the replay stores it)
+        return actor_obs(policy, obs.to(device), bool(algo.normalize_obs))
+
     demos = None
     demo_fraction = float(algo.demo_fraction)
     demo_path = find_demo_path(cfg) if demo_fraction > 0 or algo.get("data") else None  # a bad algo.data is an error
@@ -342,6 +347,8 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         task = getattr(env, "task", None)
         demos = demo_transitions(DemoDataset.load(demo_path), policy, gamma,
                                  bool(getattr(task, "success_terminates", True)), device, sparse)
+        for key in ("obs", "next_obs"):
+            demos[key] = features(demos[key])
     demo_batch = int(round(batch_size * demo_fraction)) if demos is not None else 0
     demo_generator = torch.Generator().manual_seed(seed + 1)
 
@@ -363,7 +370,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
                         {"learner": learner.state_tensors()})
 
     def make_agent(n: int) -> ResidualAgent:
-        return ResidualAgent(learner.actor, policy, n)
+        return ResidualAgent(learner.actor, policy, n, bool(algo.normalize_obs))
 
     start_time = time.perf_counter()
     evaluator = Evaluator(cfg, run, last_step=env_steps)
@@ -382,7 +389,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     bar.update(env_steps)
     while env_steps < int(cfg.env_steps):
         phase = warm_start.phase(env_steps)
-        residual = torch.zeros_like(base) if phase == WARMUP else learner.explore(obs.to(device), base.to(device)).to(obs.device)
+        residual = torch.zeros_like(base) if phase == WARMUP else learner.explore(features(obs), base.to(device)).to(obs.device)
         action = (base + residual).clamp(-1.0, 1.0)
         next_obs, reward, terminated, truncated, info = env.step(action)
         next_obs = state_obs(next_obs)
@@ -399,8 +406,8 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
             steps = {key: torch.stack([w[key] for w in window]) for key in window[0]}
             ret, discount, last = nstep_returns(steps["reward"], steps["terminated"], steps["truncated"], gamma)
             rows = torch.arange(num_envs, device=ret.device)
-            replay.add({"obs": steps["obs"][0], "base": steps["base"][0], "action": steps["action"][0],
-                        "reward": ret, "discount": discount, "next_obs": steps["next_obs"][last, rows],
+            replay.add({"obs": features(steps["obs"][0]), "base": steps["base"][0], "action": steps["action"][0],
+                        "reward": ret, "discount": discount, "next_obs": features(steps["next_obs"][last, rows]),
                         "next_base": steps["next_base"][last, rows]})
             window.pop(0)
         if bool(info["_episode"].any()):

@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from embodied_rl import envs
-from embodied_rl.actors.residual_offpolicy import BaseActionQueue, ResidualActor, load_agent
+from embodied_rl.actors.residual_offpolicy import BaseActionQueue, ResidualActor, ResidualAgent, load_agent
 from embodied_rl.algos.sac import demo_transitions, finetune, nstep_returns, random_pair_min
 from embodied_rl.data.dataset import DemoDataset, write_demos
 from embodied_rl.runs import Run
@@ -62,6 +62,22 @@ def test_residual_actor_starts_at_zero_and_is_bounded():
         actor.trunk[-1].bias.fill_(50.0)
     sampled, log_prob = actor.sample(obs, base)
     assert sampled.abs().max() <= 0.3 + 1e-6 and torch.isfinite(log_prob).all()
+
+
+def test_the_residual_sees_the_base_policys_normalised_observation():
+    policy = tiny_policy()
+    with torch.no_grad():  # a normaliser that is not the identity, so the test can tell
+        policy.normalizer.obs_scale.fill_(10.0)
+        policy.normalizer.obs_offset.fill_(-1.0)
+    actor = ResidualActor(8, 2, [16], scale=0.5, stochastic=False)
+    seen = []
+    actor.register_forward_pre_hook(lambda module, args: seen.append(args[0].clone()))
+    obs = torch.randn(3, 8)
+    for normalize, expected in ((True, obs * 10 - 1), (False, obs)):
+        agent = ResidualAgent(actor, policy, 3, normalize_obs=normalize)
+        agent.reset(torch.ones(3, dtype=torch.bool))
+        agent.act(obs)
+        assert torch.allclose(seen[-1], expected)
 
 
 def test_base_queue_resets_per_env_and_peeks_without_side_effects():
@@ -122,7 +138,7 @@ def sac_cfg(tmp_path, **algo_overrides):
         ensemble=4, n_step=3, gamma=0.99, tau=0.01, actor_lr=1e-3, critic_lr=1e-3, batch_size=32,
         buffer_size=10_000, utd_ratio=0.25, demo_fraction=0.0, data=None, init_alpha=0.01,
         target_entropy="auto", exploration_noise=0.1, target_noise=0.2, policy_delay=2,
-        warmup_env_steps=40, critic_only_steps=40,
+        warmup_env_steps=40, critic_only_steps=40, normalize_obs=True,
     )
     algo.update(algo_overrides)
     return OmegaConf.create(dict(
@@ -153,7 +169,8 @@ def test_finetune_end_to_end_with_demos(tmp_path, actor):
     headline, run = run_finetune(cfg)
     assert headline["env_steps"] == 200 and 0.0 <= headline["success_rate"] <= 1.0
     path = run.file("checkpoints", "last")
-    assert json.loads((path / "agent.json").read_text())["kind"] == "residual_sac"
+    spec = json.loads((path / "agent.json").read_text())
+    assert spec["kind"] == "residual_sac" and spec["normalize_obs"] is True
     assert last_layer(path).abs().sum() > 0  # the actor did learn in the full phase
     agent = load_agent(path, num_envs=2)
     agent.reset(torch.ones(2, dtype=torch.bool))
