@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -82,6 +83,14 @@ def _overall(run_dir: Path) -> dict:
     return json.loads((run_dir / "eval_info.json").read_text())["overall"]
 
 
+def _finished(run_dir: Path, env_steps: int) -> bool:
+    """A finetune run that reached `env_steps`: each finished run (or resumed part) logs
+    train/wall_s at its last step; curve evaluations alone (eval_info.json) do not make it finished."""
+    if not (run_dir / "metrics.jsonl").exists():
+        return False
+    return any("train/wall_s" in r and r["step"] >= env_steps for r in _metrics(run_dir))
+
+
 def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").open() if line.strip()]
 
@@ -113,8 +122,11 @@ def overrides_for(algo: str, sets: list[str]) -> list[str]:
 
 
 def finetune_run(task: str, algo: str, seed: int, checkpoint: Path, run_dir: Path, args) -> dict:
-    """`embodied-rl finetune`, then `embodied-rl eval` of its last checkpoint (finished runs are reused)."""
-    if not (run_dir / "finetune" / "eval_info.json").exists():
+    """`embodied-rl finetune`, then `embodied-rl eval` of its last checkpoint (finished runs are reused;
+    an interrupted one resumes from its last checkpoint and is evaluated again)."""
+    if not _finished(run_dir / "finetune", args.env_steps):
+        if (run_dir / "eval").exists():  # the evaluation of an unfinished run's checkpoint: stale
+            shutil.rmtree(run_dir / "eval")
         _cli(["finetune", f"task={task}", f"algo={algo}", f"checkpoint={checkpoint}", f"seed={seed}",
               f"env_steps={args.env_steps}", f"num_envs={args.num_envs}", f"eval_every={args.eval_every}",
               f"eval_episodes={args.curve_episodes}", "videos=0", f"run_dir={run_dir / 'finetune'}",
@@ -127,7 +139,7 @@ def finetune_run(task: str, algo: str, seed: int, checkpoint: Path, run_dir: Pat
     reached = next((r for r in evals if r["eval/success_rate"] >= args.target), None)
     return {"success": _overall(run_dir / "eval")["success_rate"],
             "env_steps": max(r["step"] for r in metrics),
-            "wall_s": max(r["train/wall_s"] for r in metrics if "train/wall_s" in r),
+            "wall_s": sum(r["train/wall_s"] for r in metrics if "train/wall_s" in r),  # one per finished part
             "steps_to_target": None if reached is None else reached["step"],
             "wall_to_target": None if reached is None else reached.get("eval/train_wall_s")}
 

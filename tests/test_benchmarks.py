@@ -48,6 +48,12 @@ def test_finetune_table_reports_each_algo_over_seeds_and_resumes(tmp_path, capsy
     assert bench.table(bench.parse_args()) == rows
     assert (tmp_path / "out" / "reach_residual_ppo_0" / "eval" / "eval_info.json").stat().st_mtime == finished
 
+    # with a larger --env-steps the runs are unfinished: they resume and their evaluation is redone
+    argv[argv.index("--env-steps") + 1] = "300"
+    longer = bench.table(bench.parse_args())
+    assert longer["reach/residual_ppo"]["env_steps"] >= 300
+    assert (tmp_path / "out" / "reach_residual_ppo_0" / "eval" / "eval_info.json").stat().st_mtime > finished
+
 
 def test_residual_sac_update_cost_grows_with_the_ensemble(capsys):
     bench = load_benchmark("residual_sac_update")
