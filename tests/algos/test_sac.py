@@ -10,7 +10,12 @@ import torch
 from omegaconf import OmegaConf
 
 from embodied_rl import envs
-from embodied_rl.actors.residual_offpolicy import BaseActionQueue, ResidualActor, ResidualAgent, load_agent
+from embodied_rl.actors.residual_offpolicy import (
+    BaseActionQueue,
+    ResidualActor,
+    ResidualAgent,
+    load_agent,
+)
 from embodied_rl.algos.sac import demo_transitions, finetune, nstep_returns, random_pair_min
 from embodied_rl.data.dataset import DemoDataset, write_demos
 from embodied_rl.runs import Run
