@@ -8,8 +8,8 @@ frozen base policy's action at every env step.
 `action_scale` is one number or one per action dimension (e.g. a larger one for a gripper, so the
 residual can overrule the base's open/close). The likelihood is that of the residual sample
 r = mean + std * z (summed over action dims); the base action is stashed, so the base policy's own
-sampling noise is part of the environment. The base policy's action queue is reset per env at every episode end (`reset(mask)`), so no episode
-starts with the leftovers of the previous one.
+sampling noise is part of the environment. The base policy's action queue is reset per env at
+every episode end (`reset(mask)`), so no episode starts with the leftovers of the previous one.
 """
 
 from __future__ import annotations
