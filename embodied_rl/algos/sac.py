@@ -389,7 +389,8 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     bar.update(env_steps)
     while env_steps < int(cfg.env_steps):
         phase = warm_start.phase(env_steps)
-        residual = torch.zeros_like(base) if phase == WARMUP else learner.explore(features(obs), base.to(device)).to(obs.device)
+        obs_features = features(obs)  # once per step: for the actor now, and for the replay
+        residual = torch.zeros_like(base) if phase == WARMUP else learner.explore(obs_features, base.to(device)).to(obs.device)
         action = (base + residual).clamp(-1.0, 1.0)
         next_obs, reward, terminated, truncated, info = env.step(action)
         next_obs = state_obs(next_obs)
@@ -399,15 +400,15 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         queue.reset(done.cpu())
         next_base = queue.act(next_obs)
         train_reward = info["success"].float() if sparse else reward.float()
-        window.append({"obs": obs, "base": base, "action": action, "reward": train_reward,
-                       "terminated": terminated, "truncated": truncated, "next_obs": final_obs,
+        window.append({"obs": obs_features, "base": base, "action": action, "reward": train_reward,
+                       "terminated": terminated, "truncated": truncated, "next_obs": features(final_obs),
                        "next_base": torch.where(done[:, None], bootstrap_base, next_base)})
         if len(window) == n_step:  # the oldest step now has its n-step return
             steps = {key: torch.stack([w[key] for w in window]) for key in window[0]}
             ret, discount, last = nstep_returns(steps["reward"], steps["terminated"], steps["truncated"], gamma)
             rows = torch.arange(num_envs, device=ret.device)
-            replay.add({"obs": features(steps["obs"][0]), "base": steps["base"][0], "action": steps["action"][0],
-                        "reward": ret, "discount": discount, "next_obs": features(steps["next_obs"][last, rows]),
+            replay.add({"obs": steps["obs"][0], "base": steps["base"][0], "action": steps["action"][0],
+                        "reward": ret, "discount": discount, "next_obs": steps["next_obs"][last, rows],
                         "next_base": steps["next_base"][last, rows]})
             window.pop(0)
         if bool(info["_episode"].any()):
