@@ -139,7 +139,7 @@ def finetune_run(task: str, algo: str, seed: int, checkpoint: Path, run_dir: Pat
     reached = next((r for r in evals if r["eval/success_rate"] >= args.target), None)
     return {"success": _overall(run_dir / "eval")["success_rate"],
             "env_steps": max(r["step"] for r in metrics),
-            "wall_s": sum(r["train/wall_s"] for r in metrics if "train/wall_s" in r),  # one per finished part
+            "wall_s": [r["train/wall_s"] for r in metrics if "train/wall_s" in r][-1],  # over every resumed part
             "steps_to_target": None if reached is None else reached["step"],
             "wall_to_target": None if reached is None else reached.get("eval/train_wall_s")}
 

@@ -49,9 +49,16 @@ def test_finetune_table_reports_each_algo_over_seeds_and_resumes(tmp_path, capsy
     assert (tmp_path / "out" / "reach_residual_ppo_0" / "eval" / "eval_info.json").stat().st_mtime == finished
 
     # with a larger --env-steps the runs are unfinished: they resume and their evaluation is redone
+    run_dir = tmp_path / "out" / "reach_residual_ppo_0" / "finetune"
+    first_part = json.loads((run_dir / "checkpoints" / "last" / "training_state" / "counters.json").read_text())
+    assert first_part["wall_s"] >= first_part["train_wall_s"] > 0
     argv[argv.index("--env-steps") + 1] = "300"
     longer = bench.table(bench.parse_args())
     assert longer["reach/residual_ppo"]["env_steps"] >= 300
+    # the clock runs on across the resume: wall time covers both parts, not the last one alone
+    resumed = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()][len(curve):]
+    assert [r["train/wall_s"] for r in resumed if "train/wall_s" in r][-1] > first_part["wall_s"]
+    assert all(r["eval/train_wall_s"] > first_part["train_wall_s"] for r in resumed if "eval/train_wall_s" in r)
     assert (tmp_path / "out" / "reach_residual_ppo_0" / "eval" / "eval_info.json").stat().st_mtime > finished
 
 

@@ -124,11 +124,14 @@ class Evaluator:
     `maybe_evaluate(step, make_agent)` runs when `step` crossed the next multiple of
     eval_every (or `force=True`), logs eval/* scalars at `step` and returns the eval_info
     (None when it did not run). Videos go to videos/step_<step>/ (cfg.videos of them).
-    `eval/train_wall_s` is the wall time since the evaluator was made (the start of training, or
-    of the resumed part) minus the time spent evaluating: the training time to reach that point.
+    It is also the run's clock. `eval/train_wall_s` is the training time to reach that point: the
+    wall time since the evaluator was made minus the time spent evaluating, plus what earlier
+    parts of a resumed run had trained (`clock()` goes into every checkpoint's counters, and a
+    resumed run passes them back as `counters`). The time between a part's last checkpoint and
+    its end is lost with the steps redone after the resume, so every step is counted once.
     """
 
-    def __init__(self, cfg: Any, run: Run, last_step: int = 0):
+    def __init__(self, cfg: Any, run: Run, last_step: int = 0, counters: dict[str, Any] | None = None):
         self.cfg = cfg
         self.run = run
         self.every = int(cfg.eval_every)
@@ -138,6 +141,15 @@ class Evaluator:
         self.last_step: int | None = None
         self.start_time = time.perf_counter()
         self.eval_seconds = 0.0
+        self.earlier_wall_s = float((counters or {}).get("wall_s", 0.0))
+        self.earlier_train_wall_s = float((counters or {}).get("train_wall_s", 0.0))
+
+    def clock(self) -> dict[str, float]:
+        """{"wall_s": the run's wall time, "train_wall_s": the same without evaluations}, over
+        every part of a resumed run."""
+        elapsed = time.perf_counter() - self.start_time
+        return {"wall_s": self.earlier_wall_s + elapsed,
+                "train_wall_s": self.earlier_train_wall_s + elapsed - self.eval_seconds}
 
     def _make_env(self):
         if self.env is None:
@@ -158,6 +170,7 @@ class Evaluator:
             return None
         from embodied_rl.eval import evaluate
 
+        train_wall_s = self.clock()["train_wall_s"]
         eval_start = time.perf_counter()
         env = self._make_env()
         videos = min(int(self.cfg.videos), int(self.cfg.eval_episodes))
@@ -168,7 +181,7 @@ class Evaluator:
         )
         overall = info["overall"]
         metrics = {"eval/return": overall["avg_sum_reward"], "eval/episode_length": overall["avg_episode_length"],
-                   "eval/train_wall_s": eval_start - self.start_time - self.eval_seconds}
+                   "eval/train_wall_s": train_wall_s}
         if overall.get("success_rate") is not None:
             low, high = overall["success_ci95"]
             metrics.update({"eval/success_rate": overall["success_rate"],

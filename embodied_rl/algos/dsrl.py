@@ -19,7 +19,6 @@ entry point; see docs/finetuning.md ("Off-policy").
 from __future__ import annotations
 
 import copy
-import time
 from typing import Any
 
 import numpy as np
@@ -385,6 +384,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     model = make_dsrl(algo, vec_env, seed=int(cfg.seed), device=str(cfg.device))
     config = _agent_config(algo, vec_env)
 
+    counters: dict[str, Any] = {}
     resumed = load_training_state(run)
     if resumed is not None:
         model.policy.load_state_dict(load_file(str(resumed["path"] / "actor.safetensors")))
@@ -407,12 +407,12 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
             step,
             lambda path: save_noise_actor(path, model.policy, policy, config),
             _optimizers(model),
-            {"env_steps": vec_env.env_steps, "num_timesteps": model.num_timesteps, "n_updates": model._n_updates},
+            {"env_steps": vec_env.env_steps, "num_timesteps": model.num_timesteps, "n_updates": model._n_updates,
+             **evaluator.clock()},
             _extra_state(model),
         )
 
-    start_time = time.perf_counter()
-    evaluator = Evaluator(cfg, run, last_step=vec_env.env_steps)
+    evaluator = Evaluator(cfg, run, last_step=vec_env.env_steps, counters=counters)
     if resumed is None and evaluator.every > 0:
         from embodied_rl.policies import PolicyRunner
 
@@ -426,7 +426,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     if evaluator.every > 0 and evaluator.last_step != vec_env.env_steps:
         info = evaluator.maybe_evaluate(vec_env.env_steps, noise_agent_factory(model, policy), force=True)
     evaluator.close()
-    run.log(vec_env.env_steps, {"train/wall_s": time.perf_counter() - start_time})
+    run.log(vec_env.env_steps, {"train/wall_s": evaluator.clock()["wall_s"]})
     return headline_from_eval(info, vec_env.env_steps, run)
 
 

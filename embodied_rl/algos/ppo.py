@@ -221,13 +221,14 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         load_weights(actor, {k: v.to(device) for k, v in load_file(str(state["path"] / "actor.safetensors")).items()},
                      state["path"])
         counters.update(restore(state, {"optimizer": optimizer}))
-    evaluator = Evaluator(cfg, run, last_step=counters["env_steps"])
+    evaluator = Evaluator(cfg, run, last_step=counters["env_steps"], counters=counters)
 
     def eval_agent(n: int) -> ActorAgent:
         return ActorAgent(actor.for_eval(n), n, deterministic=True)
 
     def checkpoint() -> None:
-        save_checkpoint(run, counters["env_steps"], actor.save, {"optimizer": optimizer}, counters)
+        save_checkpoint(run, counters["env_steps"], actor.save, {"optimizer": optimizer},
+                        {**counters, **evaluator.clock()})
 
     if state is None and evaluator.every > 0:
         evaluator.maybe_evaluate(0, eval_agent, force=True)  # the base policy: step 0 of the curve
@@ -239,7 +240,6 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     actor.reset(torch.ones(num_envs, dtype=torch.bool))
     bar = progress(total=int(cfg.env_steps), desc=f"finetune {algo.name}")
     bar.update(min(counters["env_steps"], int(cfg.env_steps)))
-    start_time = time.perf_counter()
 
     while counters["iteration"] < iterations:
         iteration_start = time.perf_counter()
@@ -357,5 +357,5 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     if evaluator.every > 0 and evaluator.last_step != counters["env_steps"]:
         info = evaluator.maybe_evaluate(counters["env_steps"], eval_agent, force=True)
     evaluator.close()
-    run.log(counters["env_steps"], {"train/wall_s": time.perf_counter() - start_time})
+    run.log(counters["env_steps"], {"train/wall_s": evaluator.clock()["wall_s"]})
     return headline_from_eval(info, counters["env_steps"], run)

@@ -17,7 +17,6 @@ action the base policy would have taken there); a terminated one does not bootst
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -355,7 +354,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     def write_agent(path: Path) -> None:
         save_residual_actor(path, learner.actor, learner.critic, policy, learner.config)
 
-    env_steps, pending_updates = 0, 0.0
+    env_steps, pending_updates, counters = 0, 0.0, {}
     resumed = load_training_state(run)
     if resumed is not None:
         learner.actor.load_state_dict(load_tensors(resumed["path"], "actor."))
@@ -366,14 +365,13 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         # the replay buffer is not saved: it refills from the resumed policy's rollouts
 
     def save(step: int) -> None:
-        save_checkpoint(run, step, write_agent, learner.optimizers(), {"env_steps": step},
+        save_checkpoint(run, step, write_agent, learner.optimizers(), {"env_steps": step, **evaluator.clock()},
                         {"learner": learner.state_tensors()})
 
     def make_agent(n: int) -> ResidualAgent:
         return ResidualAgent(learner.actor, policy, n, bool(algo.normalize_obs))
 
-    start_time = time.perf_counter()
-    evaluator = Evaluator(cfg, run, last_step=env_steps)
+    evaluator = Evaluator(cfg, run, last_step=env_steps, counters=counters)
     if resumed is None and evaluator.every > 0:
         evaluator.maybe_evaluate(0, make_agent, force=True)  # zero residual: the base policy
     queue = BaseActionQueue(policy, num_envs, seed=seed)
@@ -447,5 +445,5 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     if evaluator.every > 0 and evaluator.last_step != env_steps:
         info = evaluator.maybe_evaluate(env_steps, make_agent, force=True)
     evaluator.close()
-    run.log(env_steps, {"train/wall_s": time.perf_counter() - start_time})
+    run.log(env_steps, {"train/wall_s": evaluator.clock()["wall_s"]})
     return headline_from_eval(info, env_steps, run)
