@@ -70,3 +70,15 @@ def test_residual_sac_update_cost_grows_with_the_ensemble(capsys):
     # 4x the critics: clearly more work per update than the baseline's 2 (compute, not overhead)
     assert rows[(8, 64)]["ms"] > rows[(2, 64)]["ms"]
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == results
+
+
+def test_finetune_timing_compares_reinflow_with_dppo(capsys, monkeypatch):
+    bench = load_benchmark("finetune_table")
+    monkeypatch.setattr(sys, "argv", ["finetune_table.py", "timing", "--num-envs", "2", "--chunks", "1",
+                                      "--repeats", "1"])
+    result = bench.timing(bench.parse_args())
+    assert set(result["iteration_s"]) == {"DPPO K=10 (diffusion)"} | {f"ReinFlow K={k} (flow)" for k in (1, 2, 3, 4)}
+    assert all(seconds > 0 for seconds in result["iteration_s"].values())
+    # one denoising step against ten, the same network: K=1 is clearly cheaper per iteration
+    assert result["speedup_reinflow_k1"] > 1.5
+    assert "ReinFlow K=4" in capsys.readouterr().out
