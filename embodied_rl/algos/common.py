@@ -131,7 +131,10 @@ class Evaluator:
     its end is lost with the steps redone after the resume, so every step is counted once.
     """
 
-    def __init__(self, cfg: Any, run: Run, last_step: int = 0, counters: dict[str, Any] | None = None):
+    def __init__(self, cfg: Any, run: Run, counters: dict[str, Any] | None = None):
+        """`counters`: a resumed run's checkpoint counters (env steps done, the clock so far)."""
+        counters = counters or {}
+        last_step = int(counters.get("env_steps", 0))
         self.cfg = cfg
         self.run = run
         self.every = int(cfg.eval_every)
@@ -141,8 +144,8 @@ class Evaluator:
         self.last_step: int | None = None
         self.start_time = time.perf_counter()
         self.eval_seconds = 0.0
-        self.earlier_wall_s = float((counters or {}).get("wall_s", 0.0))
-        self.earlier_train_wall_s = float((counters or {}).get("train_wall_s", 0.0))
+        self.earlier_wall_s = float(counters.get("wall_s", 0.0))
+        self.earlier_train_wall_s = float(counters.get("train_wall_s", 0.0))
 
     def clock(self) -> dict[str, float]:
         """{"wall_s": the run's wall time, "train_wall_s": the same without evaluations}, over

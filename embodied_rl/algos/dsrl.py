@@ -412,7 +412,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
             _extra_state(model),
         )
 
-    evaluator = Evaluator(cfg, run, last_step=vec_env.env_steps, counters=counters)
+    evaluator = Evaluator(cfg, run, counters=counters)
     if resumed is None and evaluator.every > 0:
         from embodied_rl.policies import PolicyRunner
 

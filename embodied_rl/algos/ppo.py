@@ -221,7 +221,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         load_weights(actor, {k: v.to(device) for k, v in load_file(str(state["path"] / "actor.safetensors")).items()},
                      state["path"])
         counters.update(restore(state, {"optimizer": optimizer}))
-    evaluator = Evaluator(cfg, run, last_step=counters["env_steps"], counters=counters)
+    evaluator = Evaluator(cfg, run, counters=counters)
 
     def eval_agent(n: int) -> ActorAgent:
         return ActorAgent(actor.for_eval(n), n, deterministic=True)

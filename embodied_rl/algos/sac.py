@@ -371,7 +371,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     def make_agent(n: int) -> ResidualAgent:
         return ResidualAgent(learner.actor, policy, n, bool(algo.normalize_obs))
 
-    evaluator = Evaluator(cfg, run, last_step=env_steps, counters=counters)
+    evaluator = Evaluator(cfg, run, counters=counters)
     if resumed is None and evaluator.every > 0:
         evaluator.maybe_evaluate(0, make_agent, force=True)  # zero residual: the base policy
     queue = BaseActionQueue(policy, num_envs, seed=seed)
