@@ -33,6 +33,8 @@ def metrics(run_dir):
 @pytest.mark.parametrize("algo,policy,extra", [
     ("residual_ppo", "flow", ["algo.num_steps=25", "algo.actor_kwargs.hidden=16",
                               "algo.actor_kwargs.action_scale=[0.1,0.5]"]),  # a scale per action dim
+    ("residual_ppo", "flow", ["algo.num_steps=25", "algo.actor_kwargs.hidden=16", "algo.actor_kwargs.chunk_critic=true",
+                              "algo.anneal_lr=true"]),
     ("dppo", "diffusion", ["algo.num_steps=8", "algo.actor_kwargs.ft_denoising_steps=1"]),
     ("reinflow", "flow", ["algo.num_steps=8"]),
     ("flow_sde", "flow", ["algo.num_steps=8"]),
@@ -49,6 +51,9 @@ def test_every_on_policy_algorithm_runs_end_to_end(algo, policy, extra, checkpoi
     train = [r for r in rows if "train/iteration" in r]
     assert train and all(r["train/first_minibatch_ratio_dev"] < 1e-5 for r in train if "train/first_minibatch_ratio_dev" in r)
     assert [r["step"] for r in rows if "eval/success_rate" in r][0] == 0  # the base policy is step 0
+    if "algo.anneal_lr=true" in extra:  # linear decay: lr * (1 - iteration / iterations) before each update
+        iterations = len(train)
+        assert [r["train/lr"] for r in train] == pytest.approx([1e-3 * (1 - i / iterations) for i in range(iterations)])
     assert (run_dir / "checkpoints" / "last" / "agent.json").exists()
     assert (run_dir / "eval_info.json").exists()
     # the fine-tuned checkpoint evaluates with `embodied-rl eval`

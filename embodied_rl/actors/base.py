@@ -14,7 +14,11 @@
 - `stash` is a dict of tensors with leading N: everything `evaluate` needs (the sampled chain,
   the chosen step, the base action), so `evaluate(obs, act(obs).stash)` gives back exactly
   `act`'s logprob: the importance ratio is 1 before the first update.
-- The critic (`get_value(obs [N, D]) -> [N]`) sees the latest env observation.
+- The critic (`get_value(obs [N, D]) -> [N]`) sees the latest env observation. `out.value` is the
+  value of the MDP state `act` acted in, `next_value(next_obs)` that of the state that follows
+  (before the actor acts on it), and `value_loss(...)` regresses the critic on the returns; by
+  default all three are `get_value` on the env observation. The residual actor's
+  `chunk_critic` overrides them: its MDP state includes the base policy's queued chunk.
 - `base_kl(obs, stash) -> [N]`: a regulariser toward the base policy (0 when the actor equals it).
 """
 
@@ -26,6 +30,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from embodied_rl import core
 
 
 @dataclass
@@ -85,6 +91,15 @@ class Actor(nn.Module):
 
     def get_value(self, obs: Tensor) -> Tensor:
         return self.critic(obs)
+
+    def next_value(self, next_obs: Tensor) -> Tensor:
+        """V of the state reached, before the actor acts on it (GAE's bootstrap) [N]."""
+        return self.get_value(next_obs)
+
+    def value_loss(self, obs: Tensor, stash: dict[str, Tensor], old_value: Tensor, returns: Tensor,
+                   mask: Tensor, clip: float | None) -> Tensor:
+        """The critic's regression on the returns of the states the rollout acted in."""
+        return core.value_loss(self.get_value(self.latest_obs(obs)), old_value, returns, mask, clip=clip)[0]
 
     def latest_obs(self, obs: Tensor) -> Tensor:
         """The env observation [N, D] inside what `act` takes."""

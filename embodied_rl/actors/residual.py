@@ -15,9 +15,10 @@ every episode end (`reset(mask)`), so no episode starts with the leftovers of th
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from embodied_rl.actors.base import Actor, ActorOutput, Critic, gaussian_entropy, gaussian_logprob
+from embodied_rl import core
+from embodied_rl.actors.base import Actor, ActorOutput, Critic, gaussian_entropy, gaussian_logprob, mlp
 from embodied_rl.actors.gaussian import GaussianHead
 from embodied_rl.errors import UserError
 
@@ -31,6 +32,53 @@ def residual_scale(action_scale: float | list[float], action_dim: int) -> Tensor
         raise UserError(f"action_scale must be one positive number or {action_dim} of them (one per action dim), "
                         f"got {action_scale}")
     return scale
+
+
+class ChunkStateCritic(nn.Module):
+    """The residual MDP's critic when its state includes the base policy's queued chunk.
+
+    The residual acts at every env step, but the base policy draws a new chunk only every H
+    steps, and on push_t that draw decides most of the outcome (per-state success 0.1-0.9 under
+    the BC policy's sampling noise). A critic on the observation alone cannot tell a lucky draw
+    from a good correction: every advantage carries the draw's luck. This critic has two heads:
+
+        V(o, q)  = chunk_net([normalised o, queued base actions (current first, zero-padded),
+                              one-hot position in the chunk])     # after the draw: the MDP state
+        V0(o)    = net(normalised o)                              # before the next draw: E_q V(o, q)
+
+    The draw is a chance node between two MDP steps, so the TD error across it bootstraps from
+    V0 (`next_value` where the queue is empty): r + gamma V0(o') - V(o, q) does not depend on
+    which chunk comes next, and neither does any TD error inside a chunk (the simulator is
+    deterministic; only the residual's own noise differs). V0 regresses on the returns of the
+    states where a chunk was just drawn, whose expectation over the draw is E_q V(o, q).
+    """
+
+    def __init__(self, policy, hidden: int = 256, layers: int = 2):
+        super().__init__()
+        self._normalize = policy.normalizer.normalize  # a bound method: not a submodule
+        self.horizon = policy.n_action_steps
+        self.net = mlp(policy.obs_dim, 1, hidden, layers)
+        self.chunk_net = mlp(policy.obs_dim + self.horizon * (policy.action_dim + 1), 1, hidden, layers)
+
+    def forward(self, obs: Tensor) -> Tensor:
+        return self.net(self._normalize("obs", obs.float())).squeeze(-1)
+
+    def with_chunk(self, obs: Tensor, chunk_state: Tensor) -> Tensor:
+        return self.chunk_net(torch.cat([self._normalize("obs", obs.float()), chunk_state], -1)).squeeze(-1)
+
+    def drawn(self, chunk_state: Tensor) -> Tensor:
+        """Whether each state is the first of its chunk (the one-hot position is 0) [N]."""
+        return chunk_state[:, -self.horizon] > 0.5
+
+
+def queued_chunk_state(queue: Tensor, position: Tensor) -> Tensor:
+    """[N, H * A + H]: the actions queue[n, position[n]:] moved to the front (zero-padded), and a
+    one-hot of position (< H) in the chunk."""
+    horizon, action_dim = queue.shape[1:]
+    steps = position[:, None] + torch.arange(horizon, device=queue.device)
+    index = steps.clamp(max=horizon - 1)[..., None].expand(-1, -1, action_dim)
+    ahead = queue.gather(1, index) * (steps < horizon)[..., None]
+    return torch.cat([ahead.flatten(1), torch.nn.functional.one_hot(position, horizon).float()], -1)
 
 
 class ResidualActor(Actor):
@@ -47,22 +95,49 @@ class ResidualActor(Actor):
         hidden: int = 256,
         layers: int = 2,
         critic_hidden: int = 256,
+        chunk_critic: bool = False,
     ):
         super().__init__()
         from embodied_rl.policies import PolicyRunner
 
         self._config = dict(action_scale=action_scale, init_std=init_std, learn_std=learn_std,
-                            hidden=hidden, layers=layers, critic_hidden=critic_hidden)
+                            hidden=hidden, layers=layers, critic_hidden=critic_hidden, chunk_critic=chunk_critic)
         self.policy = policy.eval().requires_grad_(False)
         self.runner = PolicyRunner(policy, num_envs)
         self.register_buffer("action_scale", residual_scale(action_scale, policy.action_dim), persistent=False)
         self.head = GaussianHead(policy.obs_dim + policy.action_dim, policy.action_dim, hidden, layers,
                                  init_std=init_std, learn_std=learn_std, zero_init=True)
-        self.critic = Critic(policy, critic_hidden)
+        self.chunk_critic = bool(chunk_critic)
+        self.critic = ChunkStateCritic(policy, critic_hidden) if self.chunk_critic else Critic(policy, critic_hidden)
 
     def _head(self, obs: Tensor, base_action: Tensor) -> tuple[Tensor, Tensor]:
         obs_norm = self.policy.normalizer.normalize("obs", obs.float())
         return self.head(torch.cat([obs_norm, base_action], dim=-1))
+
+    def _chunk_state(self, position: Tensor, device: torch.device) -> Tensor:
+        return queued_chunk_state(self.runner.queue, position.clamp(max=self.runner.queue.shape[1] - 1)).to(device)
+
+    def next_value(self, next_obs: Tensor) -> Tensor:
+        if not self.chunk_critic:
+            return self.get_value(next_obs)
+        position = self.runner.next_index  # == H where the next step draws a chunk (or the env was reset)
+        midchunk = (position < self.runner.queue.shape[1]).to(next_obs.device)
+        value = self.critic(next_obs)
+        if bool(midchunk.any()):
+            state = self._chunk_state(position, next_obs.device)
+            value[midchunk] = self.critic.with_chunk(next_obs[midchunk], state[midchunk])
+        return value
+
+    def value_loss(self, obs: Tensor, stash: dict[str, Tensor], old_value: Tensor, returns: Tensor,
+                   mask: Tensor, clip: float | None) -> Tensor:
+        if not self.chunk_critic:
+            return super().value_loss(obs, stash, old_value, returns, mask, clip)
+        state = stash["chunk_state"]
+        loss = core.value_loss(self.critic.with_chunk(obs, state), old_value, returns, mask, clip=clip)[0]
+        drawn = mask.bool() & self.critic.drawn(state)
+        if bool(drawn.any()):  # V0 on the returns of the states right after a draw
+            loss = loss + 0.5 * core.agg_loss((self.critic(obs) - returns) ** 2, drawn, "token-mean")
+        return loss
 
     def reset(self, mask: Tensor) -> None:
         self.runner.reset(mask)
@@ -84,8 +159,13 @@ class ResidualActor(Actor):
         residual = mean if deterministic else mean + std * torch.randn_like(mean)
         actions = (base_action + self.action_scale * residual).clamp(-1.0, 1.0)
         stash = {"base_action": base_action, "residual": residual}
+        if self.chunk_critic:  # the base action just taken is queue[next_index - 1]
+            stash["chunk_state"] = self._chunk_state(self.runner.next_index - 1, obs.device)
+            value = self.critic.with_chunk(obs, stash["chunk_state"])
+        else:
+            value = self.get_value(obs)
         logprob, _ = self.evaluate(obs, stash)
-        return ActorOutput(actions, logprob, self.get_value(obs), stash)
+        return ActorOutput(actions, logprob, value, stash)
 
     def evaluate(self, obs: Tensor, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         mean, std = self._head(obs, stash["base_action"])

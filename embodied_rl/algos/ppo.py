@@ -11,7 +11,8 @@ PPO: GAE (core.gae) with truncation bootstrapped from info["final_obs"]; a criti
 observation with value clipping; clipped surrogate with dual clip (core.policy_loss), one
 clip range per likelihood column (DPPO's schedule over denoising steps); entropy bonus; an
 optional regulariser toward the base policy (actor.base_kl); early stop on approximate KL;
-critic warm-up (value-only updates for the first iterations); advantage normalisation.
+optional linear learning-rate decay to 0 over the run (algo.anneal_lr); critic warm-up
+(value-only updates for the first iterations); advantage normalisation.
 
 GRPO (algo.group_size = G > 1): groups of G envs start from the same initial state
 (env.reset(group_size=G)), each env runs one episode, and the episode return's group-relative
@@ -117,7 +118,7 @@ def collect_ppo(env, henv, actor, obs, num_steps: int, sparse_reward: bool = Fal
         obs_in, out, next_obs, reward, terminated, truncated, info = mdp_step(env, henv, actor, obs)
         done = terminated | truncated
         # V of the observation that really followed: final_obs where the episode ended
-        next_value = actor.get_value(next_obs)
+        next_value = actor.next_value(next_obs)
         if bool(done.any()):
             next_value[done] = actor.get_value(info["final_obs"][done])
             if not bootstrap_truncation:
@@ -208,6 +209,8 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     if not grpo:
         param_groups.append({"params": actor.critic_parameters(), "lr": float(algo.critic_lr)})
     optimizer = torch.optim.Adam(param_groups, eps=1e-5)
+    initial_lrs = [group["lr"] for group in optimizer.param_groups]
+    anneal_lr = bool(algo.get("anneal_lr", False))
     steps_per_mdp = actor.n_action_steps if actor.chunked else 1
     max_mdp_steps = math.ceil(env.max_episode_steps / steps_per_mdp) + 1
     env_steps_per_iter = num_envs * steps_per_mdp * (max_mdp_steps if grpo else int(algo.num_steps))
@@ -276,6 +279,10 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         dual_clip = None if algo.dual_clip is None else float(algo.dual_clip)
         value_clip = None if algo.value_clip is None else float(algo.value_clip)
         critic_only = (not grpo) and counters["iteration"] < int(algo.critic_warmup_iters)
+        if anneal_lr:  # linear decay to 0 at the last iteration (CleanRL's anneal_lr); resumes exactly
+            remaining = 1.0 - counters["iteration"] / iterations
+            for group, initial_lr in zip(optimizer.param_groups, initial_lrs):
+                group["lr"] = initial_lr * remaining
 
         # ---- update ----
         actor.train()
@@ -290,10 +297,11 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
                 if not bool(mb_valid.any()):
                     continue
                 mb_obs = flat["obs"][mb]
+                mb_stash = {k: v[mb] for k, v in flat_stash.items()}
                 losses: dict[str, torch.Tensor] = {}
                 loss = torch.zeros((), device=device)
                 if not critic_only:
-                    logprob, entropy = actor.evaluate(mb_obs, {k: v[mb] for k, v in flat_stash.items()})
+                    logprob, entropy = actor.evaluate(mb_obs, mb_stash)
                     old_logprob = flat["logprob"][mb]
                     if first_ratio_dev is None:
                         first_ratio_dev = float((logprob.detach() - old_logprob).exp().sub(1).abs().max())
@@ -311,13 +319,11 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
                     losses["entropy"] = core.agg_loss(entropy.mean(-1), mb_valid, "token-mean")
                     loss = losses["policy_loss"] - float(algo.ent_coef) * losses["entropy"]
                     if float(algo.base_reg_coef) > 0:
-                        losses["base_kl"] = core.agg_loss(actor.base_kl(mb_obs, {k: v[mb] for k, v in flat_stash.items()}),
-                                                          mb_valid, "token-mean")
+                        losses["base_kl"] = core.agg_loss(actor.base_kl(mb_obs, mb_stash), mb_valid, "token-mean")
                         loss = loss + float(algo.base_reg_coef) * losses["base_kl"]
                 if not grpo:
-                    new_value = actor.get_value(actor.latest_obs(mb_obs))
-                    losses["value_loss"], _ = core.value_loss(new_value, flat["value"][mb], flat["return"][mb],
-                                                              mb_valid, clip=value_clip)
+                    losses["value_loss"] = actor.value_loss(mb_obs, mb_stash, flat["value"][mb], flat["return"][mb],
+                                                            mb_valid, value_clip)
                     loss = loss + float(algo.vf_coef) * losses["value_loss"]
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -336,6 +342,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         iteration_s = time.perf_counter() - iteration_start
         log = {f"train/{k}": sum(v) / len(v) for k, v in metrics.items()}
         log.update({"train/iteration": counters["iteration"], "train/rollout_s": rollout_s,
+                    "train/lr": optimizer.param_groups[0]["lr"],
                     "train/iteration_s": iteration_s, "train/sps": env_steps / iteration_s,
                     "train/early_stop": float(stop), "train/critic_only": float(critic_only)})
         if first_ratio_dev is not None:

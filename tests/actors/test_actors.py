@@ -104,6 +104,36 @@ def test_residual_starts_as_the_base_and_resets_the_base_queue_per_env():
     assert runner.next_index.tolist() == [2, 1, 2]
 
 
+def test_residual_chunk_critic_sees_the_queue_and_bootstraps_before_a_draw():
+    actor = make_actor("residual", tiny_policy("flow", 2), num_envs=2, chunk_critic=True)  # chunks of 3 steps
+    obs = torch.randn(2, OBS_DIM)
+    out = actor.act(obs)
+    assert torch.equal(actor.evaluate(obs, out.stash)[0], out.logprob)  # ratio 1 before an update
+    queue = actor.runner.queue
+    state = out.stash["chunk_state"]  # first step of a chunk: the whole chunk, position one-hot [1, 0, 0]
+    assert torch.equal(state[:, :6], queue.flatten(1)) and state[:, 6:].tolist() == [[1, 0, 0]] * 2
+    assert torch.allclose(out.value, actor.critic.with_chunk(obs, state))
+    # mid-chunk, the next state's value sees what is still queued (current first, zero-padded)
+    next_obs = torch.randn(2, OBS_DIM)
+    ahead = torch.cat([queue[:, 1:], torch.zeros(2, 1, ACTION_DIM)], 1).flatten(1)
+    expected = actor.critic.with_chunk(next_obs, torch.cat([ahead, torch.tensor([[0.0, 1, 0]] * 2)], -1))
+    assert torch.allclose(actor.next_value(next_obs), expected)
+    # env 1's episode ended: its next step draws a new chunk, so it bootstraps from V0(obs)
+    actor.reset(torch.tensor([False, True]))
+    value = actor.next_value(next_obs)
+    assert torch.allclose(value[0], expected[0]) and torch.allclose(value[1], actor.critic(next_obs)[1])
+    # value loss: V(o, q) on every state, V0 only on the states right after a draw
+    second = actor.act(next_obs).stash  # env 0 at position 1, env 1 drew anew (position 0)
+    returns, valid = torch.ones(2), torch.ones(2, dtype=torch.bool)
+    for drawn, stash in ((True, out.stash), (False, {k: v[:1] for k, v in second.items()})):
+        n = len(stash["chunk_state"])
+        actor.zero_grad()
+        actor.value_loss(obs[:n], stash, torch.zeros(n), returns[:n], valid[:n], None).backward()
+        v0_grad = sum(float(p.grad.abs().sum()) for p in actor.critic.net.parameters() if p.grad is not None)
+        assert (v0_grad > 0) == drawn
+        assert all(p.grad.abs().sum() > 0 for p in actor.critic.chunk_net.parameters())
+
+
 def test_residual_scale_per_action_dim():
     policy = tiny_policy("flow", 2)
     scale = [0.1] * (ACTION_DIM - 1) + [1.0]

@@ -42,6 +42,9 @@ class ValueIsTimeActor:
     def get_value(self, obs):
         return 10.0 * obs[:, 0]
 
+    def next_value(self, obs):
+        return self.get_value(obs)
+
     def act(self, obs, deterministic=False):
         return ActorOutput(torch.zeros(len(obs), 1), torch.zeros(len(obs), 1), self.get_value(obs), {"x": obs})
 
