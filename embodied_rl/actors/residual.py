@@ -10,6 +10,8 @@ residual can overrule the base's open/close). The likelihood is that of the resi
 r = mean + std * z (summed over action dims); the base action is stashed, so the base policy's own
 sampling noise is part of the environment. The base policy's action queue is reset per env at
 every episode end (`reset(mask)`), so no episode starts with the leftovers of the previous one.
+`chunk_critic=True` replaces the critic on the observation with ChunkStateCritic (below), whose
+state includes the base policy's queued chunk.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ import torch
 from torch import Tensor, nn
 
 from embodied_rl import core
-from embodied_rl.actors.base import Actor, ActorOutput, Critic, gaussian_entropy, gaussian_logprob, mlp
+from embodied_rl.actors.base import (
+    Actor,
+    ActorOutput,
+    Critic,
+    gaussian_entropy,
+    gaussian_logprob,
+    mlp,
+)
 from embodied_rl.actors.gaussian import GaussianHead
 from embodied_rl.errors import UserError
 
