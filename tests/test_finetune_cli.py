@@ -33,8 +33,8 @@ def metrics(run_dir):
 @pytest.mark.parametrize("algo,policy,extra", [
     ("residual_ppo", "flow", ["algo.num_steps=25", "algo.actor_kwargs.hidden=16",
                               "algo.actor_kwargs.action_scale=[0.1,0.5]"]),  # a scale per action dim
-    ("residual_ppo", "flow", ["algo.num_steps=25", "algo.actor_kwargs.hidden=16", "algo.actor_kwargs.chunk_critic=true",
-                              "algo.anneal_lr=true"]),
+    ("residual_ppo", "flow", ["algo.num_steps=25", "algo.actor_kwargs.hidden=16", "algo.anneal_lr=true",
+                              "algo.actor_kwargs.chunk_critic=false", "algo.actor_kwargs.learn_std=true"]),  # obs critic
     ("dppo", "diffusion", ["algo.num_steps=8", "algo.actor_kwargs.ft_denoising_steps=1"]),
     ("reinflow", "flow", ["algo.num_steps=8"]),
     ("flow_sde", "flow", ["algo.num_steps=8"]),
