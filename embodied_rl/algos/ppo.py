@@ -7,9 +7,10 @@ Reward (algo.reward, auto): the task's success (1 on the step that succeeds) whe
 else the env reward; with the success reward the time limit counts as failure (no bootstrap,
 algo.bootstrap_truncation) and per-step actors may add potential-based shaping (PotentialShaping).
 
-PPO: GAE (core.gae) with truncation bootstrapped from info["final_obs"]; a critic on the env
-observation with value clipping; clipped surrogate with dual clip (core.policy_loss), one
-clip range per likelihood column (DPPO's schedule over denoising steps); entropy bonus; an
+PPO: GAE (core.gae) with truncation bootstrapped from info["final_obs"]; the actor's critic (on
+the env observation; the residual actor's also sees the base policy's queued chunk) with value
+clipping; clipped surrogate with dual clip (core.policy_loss), one clip range per likelihood
+column (DPPO's schedule over denoising steps); entropy bonus; an
 optional regulariser toward the base policy (actor.base_kl); early stop on approximate KL;
 optional linear learning-rate decay to 0 over the run (algo.anneal_lr); critic warm-up
 (value-only updates for the first iterations); advantage normalisation.
