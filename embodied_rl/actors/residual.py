@@ -131,10 +131,9 @@ class ResidualActor(Actor):
             return self.get_value(next_obs)
         position = self.runner.next_index  # == H where the next step draws a chunk (or the env was reset)
         midchunk = (position < self.runner.queue.shape[1]).to(next_obs.device)
-        value = self.critic(next_obs)
-        if bool(midchunk.any()):
-            state = self._chunk_state(position, next_obs.device)
-            value[midchunk] = self.critic.with_chunk(next_obs[midchunk], state[midchunk])
+        value = torch.empty(len(next_obs), device=next_obs.device)
+        value[~midchunk] = self.critic(next_obs[~midchunk])  # each head only where it applies
+        value[midchunk] = self.critic.with_chunk(next_obs[midchunk], self._chunk_state(position, next_obs.device)[midchunk])
         return value
 
     def value_loss(self, obs: Tensor, stash: dict[str, Tensor], old_value: Tensor, returns: Tensor,
