@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("success rate, intervals and videos of a checkpoint", "embodied_rl.commands.evaluate"),
     "finetune": ("RL fine-tuning of a pretrained policy", "embodied_rl.commands.finetune"),
     "quickstart": ("collect, pretrain, eval, finetune, eval on the default task", "embodied_rl.commands.quickstart"),
+    "tasks": ("list every task: backends, observation modes, success criterion, expert", "embodied_rl.commands.tasks"),
 }
 
 USAGE = """usage: embodied-rl <command> [key=value ...]
@@ -138,12 +139,13 @@ def compose(command: str, overrides: list[str]):
     return cfg
 
 
-def print_headline(command: str, headline: dict[str, Any], run_dir: Path) -> None:
+def print_headline(command: str, headline: dict[str, Any], run_dir: Path | None) -> None:
     for key, value in headline.items():
         if isinstance(value, float):
             value = f"{value:.4g}"
         print(f"{key}: {value}")
-    print(f"run_dir: {run_dir}")
+    if run_dir is not None:  # None: a command that writes no run directory (tasks)
+        print(f"run_dir: {run_dir}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 from embodied_rl.envs.api import BatchedEnv, SimBatchedEnv, SimState, Task, step_chunk
 from embodied_rl.envs.experts import make_expert
 from embodied_rl.envs.gym_env import register_all as _register_gym_envs
-from embodied_rl.envs.registry import BACKENDS, TASKS, make, make_task
+from embodied_rl.envs.registry import BACKENDS, TASKS, has_expert, make, make_task, task_overrides
 
 _register_gym_envs()
 
@@ -27,8 +27,10 @@ __all__ = [
     "SimBatchedEnv",
     "SimState",
     "Task",
+    "has_expert",
     "make",
     "make_expert",
     "make_task",
     "step_chunk",
+    "task_overrides",
 ]

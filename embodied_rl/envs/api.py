@@ -117,6 +117,7 @@ class Task:
     camera: str = ""  # name of the fixed MJCF camera used for rendering
     has_success: bool = True  # False for tasks with no success notion (e.g. hopper)
     success_terminates: bool = True  # whether reaching success ends the episode
+    success_criterion: str = ""  # one sentence, shown by `embodied-rl tasks`
 
     def __init__(self, **overrides: Any):
         for key, value in overrides.items():

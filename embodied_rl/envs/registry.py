@@ -9,6 +9,8 @@ instance for the MuJoCo backends and a gymnasium env id (str) for backend="gymna
 from __future__ import annotations
 
 import importlib
+import importlib.util
+from collections.abc import Mapping
 from typing import Any
 
 from embodied_rl.envs.api import BatchedEnv, Task
@@ -59,6 +61,65 @@ def make_task(name: str, **options: Any) -> Task:
     return task_class(name)(**options)
 
 
+def has_expert(name: str) -> bool:
+    """Whether the task has a scripted expert (a module embodied_rl.envs.experts.<name>)."""
+    return importlib.util.find_spec(f"embodied_rl.envs.experts.{name}") is not None
+
+
+# Keys of configs/task/<name>.yaml that commands read (collect, pretrain), not the Task.
+COMMAND_KEYS = ("name", "demos", "quality", "pretrain_steps")
+# Keys that say what a task is: a config may state them, but only as the task has them.
+DESCRIPTIVE_KEYS = ("gym_id", "xml", "obs_dim", "action_dim", "camera", "has_success",
+                    "success_criterion", "expert")
+POSITIVE_KEYS = ("max_episode_steps", "control_substeps")
+
+
+def _same_type(value: Any, default: Any) -> bool:
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(default, bool)
+    if isinstance(default, int):
+        return isinstance(value, int)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    if isinstance(default, str):
+        return isinstance(value, str)
+    return True
+
+
+def task_overrides(task_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The Task options a task config asks for: `make(..., task_options=task_overrides(cfg.task))`.
+
+    `task_cfg` is configs/task/<name>.yaml with the command line's overrides (a dict or
+    DictConfig). Keys that commands read (demos, quality, pretrain_steps) are skipped; descriptive
+    keys (has_success, expert, obs_dim, ...) must match the task; every other key overrides the
+    Task class attribute of that name (max_episode_steps, ...). Returns only the values that
+    differ from the class. A contradiction, an unknown key or a bad value is a UserError naming
+    the key.
+    """
+    name = task_cfg["name"]
+    cls = task_class(name)
+    overrides: dict[str, Any] = {}
+    for key in task_cfg:
+        value = task_cfg[key]
+        if key in COMMAND_KEYS:
+            continue
+        if key in DESCRIPTIVE_KEYS:
+            actual = has_expert(name) if key == "expert" else getattr(cls, key)
+            if value != actual:
+                raise UserError(f"task.{key}={value} contradicts task '{name}', whose {key} is {actual!r}")
+            continue
+        if key.startswith("_") or not hasattr(cls, key) or callable(getattr(cls, key)):
+            raise UserError(f"unknown key 'task.{key}' for task '{name}'")
+        default = getattr(cls, key)
+        if not _same_type(value, default):
+            raise UserError(f"bad value for 'task.{key}': expected {type(default).__name__}, got {value!r}")
+        if key in POSITIVE_KEYS and value < 1:
+            raise UserError(f"task.{key} must be >= 1, got {value}")
+        if value != default:
+            overrides[key] = value
+    return overrides
+
+
 def backend_module(backend: str):
     if backend not in BACKENDS:
         raise UserError(f"unknown backend '{backend}' (choose from: {', '.join(BACKENDS)})")
@@ -98,7 +159,10 @@ def make(
     module = backend_module(backend)
     options = dict(obs_mode=obs_mode, image_size=image_size, render_size=render_size, **backend_options)
     if backend == "gymnasium":
-        if task_options:
+        if task_options and name in TASKS:  # this package's task, made inside each gymnasium env
+            env_kwargs = dict(options.pop("env_kwargs", None) or {})
+            options["env_kwargs"] = {**env_kwargs, "task_options": dict(task_options)}
+        elif task_options:  # a gymnasium id: its options (max_episode_steps, ...)
             options.update(task_options)
         return module.make_env(name, int(num_envs), device, seed, **options)
     task = make_task(name, **(task_options or {}))

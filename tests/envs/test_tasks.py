@@ -5,6 +5,7 @@ failure, for hopper) on hand-constructed states through the task's own evaluate(
 """
 
 import math
+import re
 
 import mujoco
 import pytest
@@ -12,7 +13,8 @@ import torch
 import yaml
 
 from embodied_rl.envs.api import SimState
-from embodied_rl.envs.registry import make, make_task
+from embodied_rl.envs.registry import make, make_task, task_overrides
+from embodied_rl.errors import UserError
 from embodied_rl.paths import config_dir
 
 TASKS = ["push_t", "lift", "peg_insert", "hopper"]
@@ -69,13 +71,30 @@ def test_same_seed_same_initial_states(name):
     assert not torch.allclose(first[0], first[1])  # envs differ from each other
 
 
-@pytest.mark.parametrize("name", TASKS)
+@pytest.mark.parametrize("name", ["reach", *TASKS])
 def test_task_config_matches_task(name):
     config = yaml.safe_load((config_dir() / "task" / f"{name}.yaml").read_text())
     task = make_task(name)
     assert config["name"] == name
     assert config["max_episode_steps"] == task.max_episode_steps
     assert config["has_success"] == task.has_success
+    assert task_overrides(config) == {}  # the shipped config changes nothing
+
+
+def test_task_overrides_pass_attributes_and_refuse_contradictions():
+    config = yaml.safe_load((config_dir() / "task" / "hopper.yaml").read_text())
+    assert task_overrides({**config, "max_episode_steps": 7, "reset_noise_scale": 0.01}) == {
+        "max_episode_steps": 7, "reset_noise_scale": 0.01}
+    for key, value, message in (
+        ("has_success", True, "task.has_success=True contradicts task 'hopper'"),
+        ("expert", False, "task.expert=False contradicts"),
+        ("obs_dim", 3, "task.obs_dim=3 contradicts"),
+        ("max_episode_steps", 0, "task.max_episode_steps must be >= 1"),
+        ("max_episode_steps", 2.5, "bad value for 'task.max_episode_steps'"),
+        ("no_such_key", 1, "unknown key 'task.no_such_key' for task 'hopper'"),
+    ):
+        with pytest.raises(UserError, match=re.escape(message)):
+            task_overrides({**config, key: value})
 
 
 def test_push_t_success_only_at_the_target_pose():

@@ -34,6 +34,7 @@ class HopperTask(Task):
     action_dim = 3
     camera = "track"
     has_success = False
+    success_criterion = "none: reward-based (hop forward); the episode ends when the hopper falls"
     success_terminates = False
     forward_reward_weight = 1.0
     healthy_reward = 1.0

@@ -55,6 +55,7 @@ class LiftTask(Task):
     action_dim = 5
     camera = "front"
     has_success = True
+    success_criterion = "the cube's centre is at least 5 cm above its resting height (ends the episode)"
     success_terminates = True
     lift_height = 0.05  # metres the cube must rise
     cube_range = 0.1

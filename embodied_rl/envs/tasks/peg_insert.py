@@ -41,6 +41,7 @@ class PegInsertTask(Task):
     action_dim = 3
     camera = "front"
     has_success = True
+    success_criterion = "the peg tip is at least 2.5 cm below the rim, within 4 mm of the hole axis (ends the episode)"
     success_terminates = True
     insert_depth = 0.025  # metres below the rim
     axis_tolerance = 0.004

@@ -76,6 +76,7 @@ class PushTTask(Task):
     action_dim = 2
     camera = "top"
     has_success = True
+    success_criterion = "the T block is within 2 cm and 10 degrees of the target pose (ends the episode)"
     success_terminates = True
     position_tolerance = 0.02  # metres
     angle_tolerance = math.radians(10.0)

@@ -37,6 +37,7 @@ class ReachTask(Task):
     action_dim = 2
     camera = "top"
     has_success = True
+    success_criterion = "the fingertip is within 2 cm of the target in the x/y plane (ends the episode)"
     success_terminates = True
     success_radius = 0.02
     init_range = 0.15
