@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from embodied_rl.errors import UserError
+from embodied_rl.errors import Diverged, UserError
 from embodied_rl.paths import config_dir
 
 # command -> (one-line help, module with `run(cfg, run) -> dict`)
@@ -51,7 +51,7 @@ def config_groups() -> list[str]:
 
 
 def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
+    return sorted(p.stem for p in (config_dir() / group).glob("*.yaml") if not p.stem.startswith("_"))
 
 
 def _hydra_error_line(command: str, error: Exception) -> str:
@@ -176,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except Diverged as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

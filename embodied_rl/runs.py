@@ -91,11 +91,69 @@ def progress(iterable: Iterable | None = None, total: int | None = None, desc: s
     return tqdm(iterable, total=total, desc=desc, disable=not sys.stderr.isatty(), leave=False)
 
 
+LOCK_FILE = ".lock"
+
+
+def _lock_run_dir(path: Path):
+    """Hold an exclusive lock on `path` for the life of this process: one run per run_dir.
+
+    flock locks die with their process, so the lock of a killed run is simply taken over."""
+    import fcntl
+
+    handle = open(path / LOCK_FILE, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise UserError(f"run_dir '{path}' is in use by {holder}; wait for it or choose a new run_dir") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"process {os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def _metric_value(value: Any) -> Any:
+    """A scalar as metrics.jsonl stores it: numbers as numbers, non-finite ones as the strings
+    "nan", "inf", "-inf" (JSON has no token for them), anything else None (not logged)."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return value if math.isfinite(value) else str(float(value))
+    return None
+
+
+def _read_metric(value: Any) -> Any:
+    return float(value) if value in ("nan", "inf", "-inf") else value
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows of a run's metrics.jsonl (non-finite values back as floats); a line cut short by
+    a kill is skipped. Reading takes no lock."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            rows.append({key: _read_metric(value) for key, value in row.items()})
+    return rows
+
+
 class Run:
     """One run directory and its loggers.
 
-    `Run(path)` creates the directory. `log(step, metrics)` appends one JSON line to
-    metrics.jsonl and mirrors every scalar to TensorBoard under tb/.
+    `Run(path)` creates the directory and locks it for this process (a second process on the
+    same run_dir is refused). `log(step, metrics)` appends one JSON line to metrics.jsonl (a
+    non-finite value as "nan", "inf" or "-inf") and mirrors every scalar to TensorBoard under tb/.
     """
 
     def __init__(self, path: str | Path, command: str = "", allow_existing: bool = False):
@@ -103,11 +161,12 @@ class Run:
         self.command = command
         if self.path.exists() and not self.path.is_dir():
             raise UserError(f"run_dir '{self.path}' exists and is not a directory")
-        if self.path.is_dir() and any(self.path.iterdir()) and not allow_existing:
+        if self.path.is_dir() and not allow_existing and any(p.name != LOCK_FILE for p in self.path.iterdir()):
             raise UserError(
                 f"run_dir '{self.path}' already holds files; choose a new run_dir (nothing was overwritten)"
             )
         self.path.mkdir(parents=True, exist_ok=True)
+        self._lock = _lock_run_dir(self.path)
         self._tb = None
 
     def file(self, *parts: str) -> Path:
@@ -124,33 +183,17 @@ class Run:
         return target
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        scalars = {}
-        for key, value in metrics.items():
-            if hasattr(value, "item"):
-                value = value.item()
-            if isinstance(value, bool):
-                value = float(value)
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                scalars[key] = value
+        scalars = {key: _metric_value(value) for key, value in metrics.items()}
+        scalars = {key: value for key, value in scalars.items() if value is not None}
         with open(self.file("metrics.jsonl"), "a", encoding="utf-8") as f:
             f.write(json.dumps({"step": int(step), **scalars}) + "\n")
         writer = self._tensorboard()
         if writer is not None:
             for key, value in scalars.items():
-                writer.add_scalar(key, value, int(step))
+                writer.add_scalar(key, float(value), int(step))
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        path = self.file("metrics.jsonl")
-        if not path.exists():
-            return []
-        rows = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:  # a line cut short by a kill
-                    continue
-        return rows
+        return read_metrics(self.path)
 
     def _tensorboard(self):
         if self._tb is None:
@@ -166,3 +209,6 @@ class Run:
         if self._tb:
             self._tb.close()
             self._tb = None
+        if self._lock is not None:
+            self._lock.close()  # releases the flock
+            self._lock = None

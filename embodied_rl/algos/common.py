@@ -1,29 +1,101 @@
-"""Helpers shared by every fine-tuning algorithm (on- and off-policy).
+"""What every fine-tuning algorithm shares: the run's bookkeeping, so that each algorithm's own
+loop reads top to bottom in its file (CleanRL style) and calls this at its boundaries.
 
-- `Evaluator`: periodic evaluation with the eval machinery, logged to metrics.jsonl.
-- `save_checkpoint` / `load_training_state`: atomic checkpoints with `training_state/`
-  (optimisers, RNG states, step counters) into checkpoints/<step>/ and checkpoints/last/.
-- `rng_state` / `set_rng_state`: torch, numpy and python RNG states, for resume.
-- `headline_from_eval`: the headline dict the CLI prints.
+    loop = FinetuneLoop(cfg, run, make_eval_agent)
+    saved = loop.resume(modules={"actor": actor}, optimizers={"optimizer": opt})  # None: fresh
+    ...restore the algorithm's own loop state from `saved` (env state, obs, replay, ...)...
+    loop.start()                               # evaluates the base policy at step 0 (fresh runs)
+    while loop.env_steps < loop.total_env_steps:
+        ...collect and update...
+        loop.advance(n_env_steps, info)        # count env steps, record finished episodes
+        loop.check_finite("train/loss", loss)  # divergence stops the run (exit code 3)
+        loop.log(metrics)                      # one metrics row per logging window (log_every)
+        loop.boundary(loop_state)              # evaluation (eval_every) and checkpoint
+                                               # (checkpoint_every), each on its own schedule
+    return loop.finish(loop_state)             # last checkpoint, final evaluation, headline
+
+- Reward: `reward_settings(cfg)` parses `algo.reward` and `algo.bootstrap_truncation` once.
+- Checkpoints: checkpoints/<step>/ (agent files that `embodied_rl.actors.load_agent` reads, plus
+  training_state/) and checkpoints/last, a symlink to the newest. A checkpoint directory is
+  written under a temporary name and renamed into place; `training_state/counters.json` is its
+  last file, so a directory holding it is complete. Resume takes the newest complete checkpoint,
+  repairs what a kill left mid-swap and removes incomplete temporary directories; it never
+  deletes a complete checkpoint.
+- Exact resume: a checkpoint holds the trainable modules and optimisers, every RNG, and the
+  algorithm's loop state (env state, per-env histories and queues, replay buffer), so a resumed
+  run continues as if never stopped. `save_replay=false` leaves the replay buffer out (smaller
+  checkpoints; the resumed run refills it).
+- Divergence: weights and optimiser state are checked finite before every checkpoint write, and
+  algorithms check their losses and gradient norms; a non-finite value logs its row and raises
+  `Diverged`, which the CLI turns into one line and exit code 3. checkpoints/last stays the last
+  finite state.
 The checkpoint layout and the `finetune(cfg, run, env, policy)` interface: docs/finetuning.md.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import random
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from embodied_rl.runs import Run, atomic_dir, atomic_write_json
+from embodied_rl.errors import Diverged, UserError
+from embodied_rl.runs import Run, atomic_write_json, progress
 
 TRAINING_STATE = "training_state"
+COUNTERS = "counters.json"
+REPLAY = "replay.pt"
+KEEP_CHECKPOINTS = 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Reward settings, parsed once for every algorithm
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RewardSettings:
+    """`sparse`: train on 1 at the step that ends in success (else the env reward);
+    `bootstrap_truncation`: bootstrap the value at a time limit."""
+
+    sparse: bool
+    bootstrap_truncation: bool
+
+
+def reward_settings(cfg: Any) -> RewardSettings:
+    """`algo.reward`: `env` (the task's reward), `success` (1 on the step that succeeds), or
+    `auto` = success where the task has a success signal. Why sparse by default: push_t's dense
+    coverage reward keeps paying while the block sits near the target and success ends the
+    episode, so a dense-reward agent earns more by hovering outside the success region than by
+    finishing; the sparse reward with gamma < 1 rewards finishing, and soon.
+    `algo.bootstrap_truncation`: `auto` = no bootstrap at the time limit with the success reward
+    (running out of time is a failure: success must come before it), bootstrap otherwise."""
+    algo = cfg.algo
+    mode = str(algo.reward)
+    if mode not in ("env", "success", "auto"):
+        raise UserError(f"algo.reward must be env, success or auto, got '{mode}'")
+    has_success = bool(cfg.task.has_success)
+    if mode == "success" and not has_success:
+        raise UserError(f"algo.reward=success needs a task with a success signal; {cfg.task.name} has none")
+    sparse = mode == "success" or (mode == "auto" and has_success)
+    bootstrap = algo.get("bootstrap_truncation", "auto")
+    if bootstrap not in ("auto", True, False):
+        raise UserError(f"algo.bootstrap_truncation must be auto, true or false, got {bootstrap!r}")
+    return RewardSettings(sparse, (not sparse) if bootstrap == "auto" else bool(bootstrap))
+
+
+def training_reward(reward: torch.Tensor, info: dict[str, Any], sparse: bool) -> torch.Tensor:
+    """What RL maximises: the env reward, or (`sparse`) 1 on a step that ends in success."""
+    return info["success"].float() if sparse else reward.float()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,66 +123,93 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints
+# Checkpoint directories
 # ---------------------------------------------------------------------------------------------
 
 
-def last_checkpoint(run: Run) -> Path | None:
-    path = run.file("checkpoints", "last")
-    return path if (path / TRAINING_STATE / "counters.json").exists() else None
-
-
-def save_checkpoint(
-    run: Run,
-    step: int,
-    write_agent: Callable[[Path], None],
-    optimizers: dict[str, Any],
-    counters: dict[str, Any],
-    extra_state: dict[str, Any] | None = None,
-    keep: int = 3,
-) -> Path:
-    """Write checkpoints/<step>/ and checkpoints/last/, each atomically.
-
-    `write_agent(dir)` writes what `embodied_rl.actors.load_agent` reads (agent.json, weights);
-    `optimizers` maps names to objects with `state_dict()`; `counters` are JSON numbers (env
-    steps, iterations); `extra_state` any other tensors to restore (torch.save'd). Only the
-    newest `keep` numbered checkpoints stay on disk; `last` always does.
-    """
-    root = run.file("checkpoints")
-    for name in (str(int(step)), "last"):
-        with atomic_dir(root / name) as tmp:
-            write_agent(tmp)
-            state_dir = tmp / TRAINING_STATE
-            state_dir.mkdir()
-            torch.save({k: o.state_dict() for k, o in optimizers.items()}, state_dir / "optimizers.pt")
-            torch.save({"rng": rng_state(), **(extra_state or {})}, state_dir / "state.pt")
-            (state_dir / "counters.json").write_text(json.dumps({**counters, "step": int(step)}) + "\n")
-    numbered = sorted((p for p in root.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
-    for old in numbered[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    return root / "last"
-
-
-def load_training_state(run: Run) -> dict[str, Any] | None:
-    """{"path", "counters", "optimizers", "state"} of checkpoints/last, or None for a fresh run."""
-    path = last_checkpoint(run)
-    if path is None:
+def _checkpoint_step(path: Path) -> int | None:
+    """The step of a complete checkpoint directory, else None."""
+    try:
+        return int(json.loads((path / TRAINING_STATE / COUNTERS).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    state_dir = path / TRAINING_STATE
-    return {
-        "path": path,
-        "counters": json.loads((state_dir / "counters.json").read_text()),
-        "optimizers": torch.load(state_dir / "optimizers.pt", weights_only=True),
-        "state": torch.load(state_dir / "state.pt", weights_only=True),
-    }
 
 
-def restore(training_state: dict[str, Any], optimizers: dict[str, Any]) -> dict[str, Any]:
-    """Load optimiser and RNG states; return the counters."""
-    for name, optimizer in optimizers.items():
-        optimizer.load_state_dict(training_state["optimizers"][name])
-    set_rng_state(training_state["state"]["rng"])
-    return training_state["counters"]
+def _point_last(root: Path, target: Path) -> None:
+    """Make checkpoints/last a symlink to `target`, in one rename."""
+    last = root / "last"
+    if last.is_dir() and not last.is_symlink():  # a directory `last` (older layout): retire it
+        retired = root / ".last.retired"
+        shutil.rmtree(retired, ignore_errors=True)
+        os.replace(last, retired)
+        shutil.rmtree(retired, ignore_errors=True)
+    link = root / ".last.link.tmp"
+    link.unlink(missing_ok=True)
+    os.symlink(target.name, link)
+    os.replace(link, last)
+
+
+def find_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under `root` (a run's checkpoints/), or None.
+
+    Repairs what a kill can leave: a complete checkpoint still under its temporary name (or the
+    `last` directory of the older layout) is renamed into place and `last` pointed at it;
+    incomplete temporary directories are removed. Never deletes a complete checkpoint."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    candidates = []
+    for child in root.iterdir():
+        if child.is_symlink() or not child.is_dir():
+            continue
+        step = _checkpoint_step(child)
+        if step is not None:
+            candidates.append((step, child.name == str(step), child))
+        elif child.name.startswith(".") and child.name.endswith(".tmp"):
+            shutil.rmtree(child, ignore_errors=True)  # a write the kill cut short
+    if not candidates:
+        return None
+    step, in_place, best = max(candidates, key=lambda c: (c[0], c[1]))
+    if not in_place:
+        target = root / str(step)
+        if not target.exists():
+            os.replace(best, target)
+            best = target
+    _point_last(root, best)
+    return best
+
+
+def write_checkpoint(root: str | Path, step: int, fill: Callable[[Path], None]) -> Path:
+    """checkpoints/<step>/, written by `fill(dir)` under a temporary name and renamed into place
+    (`fill` writes training_state/counters.json last); then `last` points at it. Keeps the newest
+    KEEP_CHECKPOINTS numbered checkpoints and the replay buffer of the newest only."""
+    import tempfile
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{int(step)}.", suffix=".tmp"))
+    try:
+        fill(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    target = root / str(int(step))
+    if target.exists():  # the same step saved again (a resumed run's end): the new one wins
+        old = root / f".{int(step)}.replaced"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, target)
+    _point_last(root, target)
+    numbered = sorted((p for p in root.iterdir() if p.name.isdigit() and p.is_dir() and not p.is_symlink()),
+                      key=lambda p: int(p.name))
+    for old in numbered[:-KEEP_CHECKPOINTS]:
+        shutil.rmtree(old, ignore_errors=True)
+    for older in numbered[:-1]:
+        (older / TRAINING_STATE / REPLAY).unlink(missing_ok=True)
+    return target
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,6 +223,8 @@ class Evaluator:
     `maybe_evaluate(step, make_agent)` runs when `step` crossed the next multiple of
     eval_every (or `force=True`), logs eval/* scalars at `step` and returns the eval_info
     (None when it did not run). Videos go to videos/step_<step>/ (cfg.videos of them).
+    Evaluation draws from its own seeds and leaves the global RNGs as it found them, so when and
+    how often a run evaluates never changes its training.
     It is also the run's clock. `eval/train_wall_s` is the training time to reach that point: the
     wall time since the evaluator was made minus the time spent evaluating, plus what earlier
     parts of a resumed run had trained (`clock()` goes into every checkpoint's counters, and a
@@ -161,7 +262,7 @@ class Evaluator:
             num_envs = max(1, min(int(self.cfg.eval_episodes), int(self.cfg.num_envs)))
             self.env = envs.make(
                 self.cfg.task.name, num_envs=num_envs, backend=self.cfg.backend,
-                device=self.cfg.device, seed=int(self.cfg.seed) + 1,
+                device=self.cfg.device, seed=int(self.cfg.seed) + 1, task_options=envs.task_overrides(self.cfg.task),
             )
         return self.env
 
@@ -177,11 +278,15 @@ class Evaluator:
         eval_start = time.perf_counter()
         env = self._make_env()
         videos = min(int(self.cfg.videos), int(self.cfg.eval_episodes))
-        info = evaluate(
-            env, make_agent(env.num_envs), episodes=int(self.cfg.eval_episodes),
-            seed=int(self.cfg.seed) + 12345, videos=videos,
-            video_dir=self.run.file("videos", f"step_{step}") if videos else None, progress=False,
-        )
+        global_rngs = rng_state()
+        try:
+            info = evaluate(
+                env, make_agent(env.num_envs), episodes=int(self.cfg.eval_episodes),
+                seed=int(self.cfg.seed) + 12345, videos=videos,
+                video_dir=self.run.file("videos", f"step_{step}") if videos else None, progress=False,
+            )
+        finally:
+            set_rng_state(global_rngs)
         overall = info["overall"]
         metrics = {"eval/return": overall["avg_sum_reward"], "eval/episode_length": overall["avg_episode_length"],
                    "eval/train_wall_s": train_wall_s}
@@ -215,3 +320,198 @@ def headline_from_eval(info: dict[str, Any] | None, env_steps: int, run: Run) ->
     headline["env_steps"] = int(env_steps)
     headline["checkpoint"] = str(run.file("checkpoints", "last"))
     return headline
+
+
+# ---------------------------------------------------------------------------------------------
+# The run loop's bookkeeping
+# ---------------------------------------------------------------------------------------------
+
+
+def _next_multiple(step: int, every: int) -> int | None:
+    return (step // every + 1) * every if every > 0 else None
+
+
+def _first_non_finite(tensors: dict[str, Any]) -> str | None:
+    """The name of the first floating tensor (nested dicts and lists searched) that is not finite."""
+    stack = list(tensors.items())
+    while stack:
+        name, value = stack.pop()
+        if isinstance(value, dict):
+            stack += [(f"{name}.{k}", v) for k, v in value.items()]
+        elif isinstance(value, (list, tuple)):
+            stack += [(f"{name}.{i}", v) for i, v in enumerate(value)]
+        elif isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            return name
+    return None
+
+
+class FinetuneLoop:
+    """The bookkeeping of one fine-tuning run (see the module docstring for the calling pattern).
+
+    `counters` are the run's JSON counters (`env_steps`, `episodes` and whatever the algorithm
+    adds, e.g. PPO's `iteration`); they go into every checkpoint and come back on resume.
+    """
+
+    def __init__(self, cfg: Any, run: Run, make_eval_agent: Callable[[int], Any]):
+        self.cfg, self.run = cfg, run
+        self.make_eval_agent = make_eval_agent
+        self.total_env_steps = int(cfg.env_steps)
+        self.checkpoint_every = int(cfg.checkpoint_every)
+        self.log_every = int(cfg.log_every)
+        self.save_replay = bool(cfg.save_replay)
+        self.counters: dict[str, Any] = {"env_steps": 0, "episodes": 0}
+        self.modules: dict[str, Any] = {}
+        self.optimizers: dict[str, Any] = {}
+        self.write_agent: Callable[[Path], None] | None = None
+        self.resumed_from: Path | None = None
+        self.episode_returns: list[float] = []  # episodes finished in the current logging window
+        self.episode_successes: list[float] = []
+        self.evaluator: Evaluator | None = None
+        self.bar = None
+
+    @property
+    def env_steps(self) -> int:
+        return int(self.counters["env_steps"])
+
+    # ---- start ----
+
+    def resume(self, modules: dict[str, Any], optimizers: dict[str, Any],
+               write_agent: Callable[[Path], None]) -> dict[str, Any] | None:
+        """Register what checkpoints hold: `modules` (anything with state_dict/load_state_dict:
+        the trainable networks, their targets), `optimizers`, and `write_agent(dir)`, which
+        writes the files `load_agent` reads. When the run has a checkpoint, load it into them,
+        restore the RNGs and counters, and return the algorithm's loop state saved with it
+        (with "replay" when saved); None for a fresh run."""
+        self.modules, self.optimizers, self.write_agent = modules, optimizers, write_agent
+        path = find_checkpoint(self.run.file("checkpoints"))
+        loop_state = None
+        if path is not None:
+            state_dir = path / TRAINING_STATE
+            state = torch.load(state_dir / "state.pt", weights_only=True)
+            if "modules" not in state:
+                raise UserError(f"checkpoint '{path}' was written by an older version and cannot be resumed "
+                                "(it still loads with eval); choose a new run_dir")
+            for name, module in modules.items():
+                module.load_state_dict(state["modules"][name])
+            saved_optimizers = torch.load(state_dir / "optimizers.pt", weights_only=True)
+            for name, optimizer in optimizers.items():
+                optimizer.load_state_dict(saved_optimizers[name])
+            set_rng_state(state["rng"])
+            self.counters.update(json.loads((state_dir / COUNTERS).read_text()))
+            self.counters.pop("step", None)
+            self.episode_returns = state["window"]["returns"].tolist()
+            self.episode_successes = state["window"]["successes"].tolist()
+            loop_state = dict(state["loop"])
+            if (state_dir / REPLAY).exists():
+                loop_state["replay"] = torch.load(state_dir / REPLAY, weights_only=True)
+            self.resumed_from = path
+        self.evaluator = Evaluator(self.cfg, self.run, counters=self.counters)
+        self.next_log = _next_multiple(self.env_steps, self.log_every)
+        self.next_checkpoint = _next_multiple(self.env_steps, self.checkpoint_every)
+        return loop_state
+
+    def start(self, desc: str) -> None:
+        """Evaluate the base policy at step 0 (fresh runs) and show the progress bar."""
+        if self.resumed_from is None and self.evaluator.every > 0:
+            self.evaluator.maybe_evaluate(0, self.make_eval_agent, force=True)
+        self.bar = progress(total=self.total_env_steps, desc=desc)
+        self.bar.update(min(self.env_steps, self.total_env_steps))
+
+    # ---- every step or iteration ----
+
+    def advance(self, env_steps: int, info: dict[str, Any] | None = None) -> None:
+        """Count `env_steps` more env steps; record the episodes `info` reports finished."""
+        self.counters["env_steps"] += int(env_steps)
+        if info is not None and bool(info["_episode"].any()):
+            ended = info["_episode"]
+            self.record_episodes(info["episode"]["return"][ended].tolist(),
+                                 info["episode"]["success_once"][ended].float().tolist())
+        self.bar.update(int(env_steps))
+
+    def record_episodes(self, returns: list[float], successes: list[float]) -> None:
+        self.episode_returns += returns
+        self.episode_successes += successes
+        self.counters["episodes"] += len(returns)
+
+    def check_finite(self, quantity: str, value: Any, metrics: dict[str, Any] | None = None) -> None:
+        """Stop the run (Diverged, exit code 3) when `value` is not finite; its row is logged."""
+        value = float(value)
+        if not math.isfinite(value):
+            self.run.log(self.env_steps, {**(metrics or {}), quantity: value})
+            self._diverged(quantity)
+
+    def _diverged(self, quantity: str) -> None:
+        last = find_checkpoint(self.run.file("checkpoints"))
+        kept = f"checkpoints/last holds env step {_checkpoint_step(last)}" if last else "no checkpoint was written"
+        raise Diverged(f"training diverged at env step {self.env_steps}: {quantity} is not finite ({kept})")
+
+    def log(self, metrics: dict[str, Any], force: bool = False) -> bool:
+        """Write one metrics row (with the episodes finished since the last row) when the logging
+        window (`log_every` env steps) is full, or `force`. Returns whether it wrote."""
+        if not force and self.next_log is not None and self.env_steps < self.next_log:
+            return False
+        row = dict(metrics)
+        if self.episode_returns:
+            row["rollout/return"] = sum(self.episode_returns) / len(self.episode_returns)
+            row["rollout/success_rate"] = sum(self.episode_successes) / len(self.episode_successes)
+            row["rollout/episodes"] = len(self.episode_returns)
+            self.episode_returns, self.episode_successes = [], []
+        self.run.log(self.env_steps, row)
+        self.next_log = _next_multiple(self.env_steps, self.log_every)
+        return True
+
+    def boundary(self, loop_state: Callable[[], dict[str, Any]]) -> None:
+        """Where the loop may stop and resume: evaluate when eval_every is due and checkpoint when
+        checkpoint_every is due (`loop_state()` is called only then)."""
+        if self.env_steps < self.total_env_steps:
+            self.evaluator.maybe_evaluate(self.env_steps, self.make_eval_agent)
+        if self.next_checkpoint is not None and self.env_steps >= self.next_checkpoint:
+            self.save(loop_state())
+
+    def save(self, loop_state: dict[str, Any]) -> Path:
+        """Write a checkpoint: agent files, modules, optimisers, RNGs, counters and `loop_state`
+        (its "replay" entry into its own file, left out when save_replay=false). Refuses to
+        write non-finite weights or optimiser state (Diverged)."""
+        modules = {name: module.state_dict() for name, module in self.modules.items()}
+        optimizers = {name: optimizer.state_dict() for name, optimizer in self.optimizers.items()}
+        bad = _first_non_finite({"weights": modules}) or _first_non_finite({"optimizer": optimizers})
+        if bad is not None:
+            self._diverged(bad)
+        loop_state = dict(loop_state)
+        replay = loop_state.pop("replay", None)
+        counters = {**self.counters, **self.evaluator.clock(), "step": self.env_steps}
+        window = {"returns": torch.tensor(self.episode_returns, dtype=torch.float64),
+                  "successes": torch.tensor(self.episode_successes, dtype=torch.float64)}
+
+        def fill(directory: Path) -> None:
+            self.write_agent(directory)
+            state_dir = directory / TRAINING_STATE
+            state_dir.mkdir()
+            torch.save(optimizers, state_dir / "optimizers.pt")
+            torch.save({"rng": rng_state(), "modules": modules, "loop": loop_state, "window": window},
+                       state_dir / "state.pt")
+            if replay is not None and self.save_replay:
+                torch.save(replay, state_dir / REPLAY)
+            (state_dir / COUNTERS).write_text(json.dumps(counters) + "\n")  # last: marks it complete
+
+        path = write_checkpoint(self.run.file("checkpoints"), self.env_steps, fill)
+        self.next_checkpoint = _next_multiple(self.env_steps, self.checkpoint_every)
+        return path
+
+    # ---- end ----
+
+    def finish(self, loop_state: dict[str, Any]) -> dict[str, Any]:
+        """The last checkpoint, the final evaluation (unless one ran at this step) and the
+        headline the CLI prints."""
+        if self.bar is not None:
+            self.bar.close()
+        last = find_checkpoint(self.run.file("checkpoints"))
+        if last is None or _checkpoint_step(last) != self.env_steps:
+            self.save(loop_state)
+        evaluator = self.evaluator
+        info = evaluator.last_info
+        if evaluator.every > 0 and evaluator.last_step != self.env_steps:
+            info = evaluator.maybe_evaluate(self.env_steps, self.make_eval_agent, force=True)
+        evaluator.close()
+        self.run.log(self.env_steps, {"train/wall_s": evaluator.clock()["wall_s"]})
+        return headline_from_eval(info, self.env_steps, self.run)

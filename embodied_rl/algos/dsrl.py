@@ -19,11 +19,13 @@ entry point; see docs/finetuning.md ("Off-policy").
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from stable_baselines3 import SAC
 from stable_baselines3.common.buffers import ReplayBuffer
 from stable_baselines3.common.callbacks import BaseCallback
@@ -43,7 +45,8 @@ from embodied_rl.actors.latent_noise import (
     make_noise_critic,
     save_noise_actor,
 )
-from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart, sparse_reward
+from embodied_rl.algos.common import FinetuneLoop, reward_settings
+from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart
 from embodied_rl.errors import UserError
 
 # --------------------------------------------------------------------------------------------
@@ -246,41 +249,94 @@ class DSRL(SAC):
 
 
 # --------------------------------------------------------------------------------------------
-# Building and running (embodied-rl finetune algo=dsrl|dsrl_na)
+# Config, building and running (embodied-rl finetune algo=dsrl|dsrl_na)
 # --------------------------------------------------------------------------------------------
 
 
-def _target_entropy(value: Any) -> str | float:
-    if isinstance(value, str) and value == "auto":
-        return "auto"
+@dataclass(frozen=True)
+class DSRLConfig:
+    """configs/algo/dsrl.yaml (dsrl_na.yaml extends it and adds `action_critics`)."""
+
+    name: str
+    noise_bound: float
+    hidden_sizes: list[int]
+    n_critics: int
+    lr: float
+    buffer_size: int
+    batch_size: int
+    gamma: float
+    tau: float
+    utd_ratio: float
+    ent_coef: Any              # "auto", "auto_<initial value>" or a fixed number
+    target_entropy: Any        # "auto" or a number
+    reward: str
+    warmup_env_steps: int
+    critic_only_steps: int
+    action_critics: int | None  # DSRL-NA only
+
+    @classmethod
+    def from_cfg(cls, algo: Any) -> DSRLConfig:
+        values = OmegaConf.to_container(algo, resolve=True)
+        values.setdefault("action_critics", None)  # the key exists in dsrl_na.yaml only
+        config = cls(**values)
+        ent_coef = str(config.ent_coef)
+        checks = [
+            ("noise_bound", config.noise_bound > 0, "> 0"),
+            ("hidden_sizes", all(h >= 1 for h in config.hidden_sizes), "a list of sizes >= 1"),
+            ("n_critics", config.n_critics >= 1, ">= 1"),
+            ("lr", config.lr > 0, "> 0"),
+            ("buffer_size", config.buffer_size >= 1, ">= 1"),
+            ("batch_size", config.batch_size >= 1, ">= 1"),
+            ("gamma", 0.0 <= config.gamma <= 1.0, "in [0, 1]"),
+            ("tau", 0.0 < config.tau <= 1.0, "in (0, 1]"),
+            ("utd_ratio", config.utd_ratio > 0, "> 0"),
+            ("ent_coef", ent_coef == "auto" or _is_number(ent_coef.removeprefix("auto_")),
+             "auto, auto_<number> or a number"),
+            ("target_entropy", config.target_entropy == "auto" or _is_number(config.target_entropy), "auto or a number"),
+            ("warmup_env_steps", config.warmup_env_steps >= 0, ">= 0"),
+            ("critic_only_steps", config.critic_only_steps >= 0, ">= 0"),
+            ("action_critics", config.action_critics is None or config.action_critics >= 1, ">= 1"),
+        ]
+        for key, ok, expected in checks:
+            if not ok:
+                raise UserError(f"algo.{key} must be {expected}, got {getattr(config, key)!r}")
+        return config
+
+
+def _is_number(value: Any) -> bool:
     try:
-        return float(value)
+        float(value)
     except (TypeError, ValueError):
-        raise UserError(f"bad value for 'algo.target_entropy': expected 'auto' or a number, got {value!r}") from None
+        return False
+    return not isinstance(value, bool)
 
 
-def make_dsrl(algo: Any, vec_env: LatentNoiseVecEnv, seed: int, device: str = "cpu") -> DSRL:
+def validate_config(cfg: Any) -> None:
+    """Called by `embodied-rl finetune` before any work."""
+    DSRLConfig.from_cfg(cfg.algo)
+    reward_settings(cfg)
+
+
+def make_dsrl(algo: DSRLConfig, vec_env: LatentNoiseVecEnv, seed: int, device: str = "cpu") -> DSRL:
     """A DSRL model from the algo config (configs/algo/dsrl.yaml, dsrl_na.yaml)."""
-    utd = float(algo.utd_ratio)
-    if utd <= 0:
-        raise UserError(f"algo.utd_ratio must be > 0, got {utd}")
-    gradient_steps = max(1, int(round(utd * vec_env.num_envs)))
+    gradient_steps = max(1, int(round(algo.utd_ratio * vec_env.num_envs)))
+    noise_aliasing = algo.action_critics is not None
     model = DSRL(
         vec_env,
-        warm_start=WarmStart.from_config(algo),
-        noise_aliasing=algo.name == "dsrl_na",
-        action_critics=int(algo.get("action_critics", 2)),
-        learning_rate=float(algo.lr),
-        buffer_size=int(algo.buffer_size),
+        warm_start=WarmStart(algo.warmup_env_steps, algo.critic_only_steps),
+        noise_aliasing=noise_aliasing,
+        action_critics=algo.action_critics if noise_aliasing else 0,
+        learning_rate=algo.lr,
+        buffer_size=algo.buffer_size,
         learning_starts=0,
-        batch_size=int(algo.batch_size),
-        tau=float(algo.tau),
-        gamma=float(algo.gamma),
+        batch_size=algo.batch_size,
+        tau=algo.tau,
+        gamma=algo.gamma,
         train_freq=1,
         gradient_steps=gradient_steps,
         ent_coef=algo.ent_coef if str(algo.ent_coef).startswith("auto") else float(algo.ent_coef),
-        target_entropy=_target_entropy(algo.target_entropy),
-        policy_kwargs={"net_arch": list(algo.hidden_sizes), "n_critics": int(algo.n_critics)},
+        target_entropy="auto" if algo.target_entropy == "auto" else float(algo.target_entropy),
+        policy_kwargs={"net_arch": list(algo.hidden_sizes), "n_critics": algo.n_critics},
         seed=seed,
         device=device,
         verbose=0,
@@ -297,14 +353,14 @@ def noise_agent_factory(model: DSRL, base_policy: Any):
     return make
 
 
-def _agent_config(algo: Any, vec_env: LatentNoiseVecEnv) -> dict[str, Any]:
+def _agent_config(algo: DSRLConfig, vec_env: LatentNoiseVecEnv) -> dict[str, Any]:
     return {
-        "variant": str(algo.name),
+        "variant": algo.name,
         "noise_bound": vec_env.noise_bound,
         "noise_shape": list(vec_env.noise_shape),
         "obs_dim": int(vec_env.observation_space.shape[0]),
         "net_arch": list(algo.hidden_sizes),
-        "n_critics": int(algo.n_critics),
+        "n_critics": algo.n_critics,
     }
 
 
@@ -317,117 +373,112 @@ def _optimizers(model: DSRL) -> dict[str, Any]:
     return optimizers
 
 
-def _extra_state(model: DSRL) -> dict[str, Any]:
-    state: dict[str, Any] = {}
-    if model.ent_coef_optimizer is not None:
-        state["log_ent_coef"] = model.log_ent_coef.detach().cpu()
-    if model.noise_aliasing:
-        state["action_critic"] = model.action_critic.state_dict()
-        state["action_critic_target"] = model.action_critic_target.state_dict()
-    return state
+class _Learner:
+    """Everything DSRL learns or counts, as one state_dict for checkpoints: SB3's policy (actor,
+    critics, targets), the entropy coefficient, DSRL-NA's action critics, SB3's counters."""
+
+    def __init__(self, model: DSRL):
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        model = self.model
+        state = {"policy": model.policy.state_dict(), "num_timesteps": torch.tensor(model.num_timesteps),
+                 "n_updates": torch.tensor(model._n_updates), "episode_num": torch.tensor(model._episode_num)}
+        if model.ent_coef_optimizer is not None:
+            state["log_ent_coef"] = model.log_ent_coef.detach().cpu()
+        if model.noise_aliasing:
+            state["action_critic"] = model.action_critic.state_dict()
+            state["action_critic_target"] = model.action_critic_target.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        model = self.model
+        model.policy.load_state_dict(state["policy"])
+        model.num_timesteps, model._n_updates = int(state["num_timesteps"]), int(state["n_updates"])
+        model._episode_num = int(state["episode_num"])
+        if "log_ent_coef" in state:
+            with torch.no_grad():
+                model.log_ent_coef.copy_(state["log_ent_coef"].to(model.device))
+        if model.noise_aliasing:
+            model.action_critic.load_state_dict(state["action_critic"])
+            model.action_critic_target.load_state_dict(state["action_critic_target"])
 
 
-class _FinetuneLoop(BaseCallback):
-    """Per VecEnv step: stop at cfg.env_steps, log, evaluate and checkpoint every eval_every."""
+REPLAY_ARRAYS = ("observations", "next_observations", "actions", "rewards", "dones", "timeouts",
+                 "executed", "history", "next_history")
 
-    def __init__(self, cfg: Any, run: Any, model: DSRL, base_policy: Any, evaluator: Any, save):
+
+def replay_state(buffer: ReplayBuffer) -> dict[str, Any]:
+    """The filled rows of an SB3 replay buffer (and DSRL-NA's extras) as tensors."""
+    rows = buffer.buffer_size if buffer.full else buffer.pos
+    arrays = {name: torch.from_numpy(np.ascontiguousarray(getattr(buffer, name)[:rows]))
+              for name in REPLAY_ARRAYS if getattr(buffer, name, None) is not None}
+    return {"arrays": arrays, "pos": torch.tensor(buffer.pos), "full": torch.tensor(buffer.full)}
+
+
+def load_replay_state(buffer: ReplayBuffer, state: dict[str, Any]) -> None:
+    for name, value in state["arrays"].items():
+        target = getattr(buffer, name)
+        if len(value) > len(target):
+            raise UserError(f"the saved replay buffer holds {len(value)} rows, more than algo.buffer_size allows")
+        target[: len(value)] = value.numpy()
+    buffer.pos, buffer.full = int(state["pos"]), bool(state["full"])
+
+
+class _LoopCallback(BaseCallback):
+    """SB3 calls this after every VecEnv step: the FinetuneLoop's per-step bookkeeping."""
+
+    def __init__(self, loop: FinetuneLoop, model: DSRL, loop_state):
         super().__init__()
-        self.cfg, self.run, self.dsrl, self.base_policy = cfg, run, model, base_policy
-        self.evaluator, self.save = evaluator, save
-        self.log_every = max(1, int(cfg.get("log_every", 0) or cfg.num_envs * 50))
-        self.next_log = model.noise_env.env_steps + self.log_every
-        from embodied_rl.runs import progress
-
-        self.bar = progress(total=int(cfg.env_steps), desc=f"finetune {cfg.algo.name}")
-        self.bar.update(model.noise_env.env_steps)
-        self.last_steps = model.noise_env.env_steps
+        self.loop, self.dsrl, self.loop_state = loop, model, loop_state
 
     def _on_step(self) -> bool:
-        vec_env = self.dsrl.noise_env
-        steps = vec_env.env_steps
-        self.bar.update(steps - self.last_steps)
-        self.last_steps = steps
-        if steps >= self.next_log:
-            metrics = dict(self.dsrl.stats)
-            metrics["train/phase"] = {WARMUP: 0, CRITIC: 1, FULL: 2}[self.dsrl.warm_start.phase(steps)]
-            if vec_env.episode_returns:
-                metrics["rollout/return"] = float(np.mean(vec_env.episode_returns))
-                metrics["rollout/success_rate"] = float(np.mean(vec_env.episode_successes))
-                vec_env.episode_returns.clear()
-                vec_env.episode_successes.clear()
-            self.run.log(steps, metrics)
-            self.next_log = steps + self.log_every
-        done = steps >= int(self.cfg.env_steps)
-        if not done and self.evaluator.due(steps):
-            self.evaluator.maybe_evaluate(steps, noise_agent_factory(self.dsrl, self.base_policy))
-            self.save(steps)
-        return not done
+        vec_env, loop = self.dsrl.noise_env, self.loop
+        loop.advance(vec_env.env_steps - loop.env_steps)
+        loop.record_episodes(list(vec_env.episode_returns), [float(s) for s in vec_env.episode_successes])
+        vec_env.episode_returns.clear()
+        vec_env.episode_successes.clear()
+        stats = self.dsrl.stats
+        for key in ("train/critic_loss", "train/actor_loss", "train/noise_critic_loss", "train/action_critic_loss"):
+            if key in stats:  # divergence stops the run
+                loop.check_finite(key, stats[key], stats)
+        loop.log({**stats, "train/phase": {WARMUP: 0, CRITIC: 1, FULL: 2}[self.dsrl.warm_start.phase(loop.env_steps)]})
+        loop.boundary(self.loop_state)
+        return loop.env_steps < loop.total_env_steps
 
 
 def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     """`embodied-rl finetune algo=dsrl|dsrl_na`: train, evaluate, checkpoint; return the headline."""
-    from safetensors.torch import load_file
-
-    from embodied_rl.algos.common import (
-        Evaluator,
-        headline_from_eval,
-        load_training_state,
-        restore,
-        save_checkpoint,
-    )
-
-    algo = cfg.algo
+    algo = DSRLConfig.from_cfg(cfg.algo)
     policy.eval()
     policy.requires_grad_(False)
-    vec_env = LatentNoiseVecEnv(env, policy, noise_bound=float(algo.noise_bound), seed=int(cfg.seed),
-                                sparse_reward=sparse_reward(cfg))
+    vec_env = LatentNoiseVecEnv(env, policy, noise_bound=algo.noise_bound, seed=int(cfg.seed),
+                                sparse_reward=reward_settings(cfg).sparse)
     model = make_dsrl(algo, vec_env, seed=int(cfg.seed), device=str(cfg.device))
     config = _agent_config(algo, vec_env)
 
-    counters: dict[str, Any] = {}
-    resumed = load_training_state(run)
-    if resumed is not None:
-        model.policy.load_state_dict(load_file(str(resumed["path"] / "actor.safetensors")))
-        counters = restore(resumed, _optimizers(model))
-        extra = resumed["state"]
-        if "log_ent_coef" in extra:
-            with torch.no_grad():
-                model.log_ent_coef.copy_(extra["log_ent_coef"].to(model.device))
-        if model.noise_aliasing:
-            model.action_critic.load_state_dict(extra["action_critic"])
-            model.action_critic_target.load_state_dict(extra["action_critic_target"])
-        vec_env.env_steps = int(counters["env_steps"])
-        model.num_timesteps = int(counters["num_timesteps"])
-        model._n_updates = int(counters.get("n_updates", 0))
-        # the replay buffer is not saved: it refills from the resumed actor's rollouts
+    loop = FinetuneLoop(cfg, run, noise_agent_factory(model, policy))
+    saved = loop.resume({"learner": _Learner(model)}, _optimizers(model),
+                        lambda path: save_noise_actor(path, model.policy, policy, config))
+    if saved is not None:  # continue exactly where the checkpoint stopped (SB3 then skips its reset)
+        env.set_state(saved["env"])
+        vec_env.load_state_dict(saved["vec_env"])
+        model._last_obs = saved["last_obs"].numpy()
+        model._last_episode_starts = saved["last_episode_starts"].numpy()
+        if "replay" in saved:
+            load_replay_state(model.replay_buffer, saved["replay"])
 
-    def save(step: int) -> None:
-        save_checkpoint(
-            run,
-            step,
-            lambda path: save_noise_actor(path, model.policy, policy, config),
-            _optimizers(model),
-            {"env_steps": vec_env.env_steps, "num_timesteps": model.num_timesteps, "n_updates": model._n_updates,
-             **evaluator.clock()},
-            _extra_state(model),
-        )
+    def loop_state() -> dict[str, Any]:
+        return {"env": env.get_state(), "vec_env": vec_env.state_dict(),
+                "last_obs": torch.from_numpy(np.asarray(model._last_obs)),
+                "last_episode_starts": torch.from_numpy(np.asarray(model._last_episode_starts)),
+                "replay": replay_state(model.replay_buffer)}
 
-    evaluator = Evaluator(cfg, run, counters=counters)
-    if resumed is None and evaluator.every > 0:
-        from embodied_rl.policies import PolicyRunner
-
-        evaluator.maybe_evaluate(0, lambda n: PolicyRunner(policy, n), force=True)  # the base policy
-    if vec_env.env_steps < int(cfg.env_steps):
-        loop = _FinetuneLoop(cfg, run, model, policy, evaluator, save)
-        model.learn(total_timesteps=int(cfg.env_steps), callback=loop, reset_num_timesteps=resumed is None)
-        loop.bar.close()
-    save(vec_env.env_steps)
-    info = evaluator.last_info
-    if evaluator.every > 0 and evaluator.last_step != vec_env.env_steps:
-        info = evaluator.maybe_evaluate(vec_env.env_steps, noise_agent_factory(model, policy), force=True)
-    evaluator.close()
-    run.log(vec_env.env_steps, {"train/wall_s": evaluator.clock()["wall_s"]})
-    return headline_from_eval(info, vec_env.env_steps, run)
+    loop.start(f"finetune {algo.name}")
+    if loop.env_steps < loop.total_env_steps:
+        model.learn(total_timesteps=loop.total_env_steps, callback=_LoopCallback(loop, model, loop_state),
+                    reset_num_timesteps=saved is None)
+    return loop.finish(loop_state())
 
 
-__all__ = ["AGENT_KIND", "DSRL", "LOADER", "NoiseReplayBuffer", "finetune", "make_dsrl"]
+__all__ = ["AGENT_KIND", "DSRL", "DSRLConfig", "LOADER", "NoiseReplayBuffer", "finetune", "make_dsrl"]

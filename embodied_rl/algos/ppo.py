@@ -27,24 +27,18 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from omegaconf import OmegaConf
 
 from embodied_rl import core
-from embodied_rl.actors import load_weights, make_actor
+from embodied_rl.actors import make_actor
 from embodied_rl.actors.base import ActorAgent, HistoryEnv, ObsHistory
-from embodied_rl.algos.common import (
-    Evaluator,
-    headline_from_eval,
-    load_training_state,
-    restore,
-    save_checkpoint,
-)
+from embodied_rl.algos.common import FinetuneLoop, reward_settings, training_reward
 from embodied_rl.envs.api import step_chunk
 from embodied_rl.errors import UserError
-from embodied_rl.runs import progress
 
 
 def _stack(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -53,17 +47,6 @@ def _stack(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, *x.shape[2:])
-
-
-def training_reward(reward: torch.Tensor, info: dict[str, Any], sparse: bool) -> torch.Tensor:
-    """What RL maximises: the env reward, or (`sparse`) 1 on a step that ends in success.
-
-    Why sparse by default on tasks with a success signal: push_t's dense reward (coverage, up to
-    1 per step) keeps paying while the block sits near the target, and success ends the episode,
-    so a dense-reward agent earns more by hovering just outside the success region than by
-    finishing; the sparse reward (ResiP's choice) with gamma < 1 rewards finishing, and soon.
-    """
-    return info["success"].float() if sparse else reward
 
 
 class PotentialShaping:
@@ -88,9 +71,83 @@ class PotentialShaping:
         return shaping
 
 
-def make_ppo_actor(cfg: Any, policy, num_envs: int):
-    kwargs = OmegaConf.to_container(cfg.algo.actor_kwargs, resolve=True) if cfg.algo.get("actor_kwargs") else {}
-    return make_actor(cfg.algo.actor, policy, num_envs, **kwargs)
+@dataclass(frozen=True)
+class PPOConfig:
+    """configs/algo/<preset>.yaml for the PPO family (every preset extends configs/algo/_ppo.yaml,
+    which holds the defaults). `actor` and `actor_kwargs` construct the Actor
+    (embodied_rl.actors.make_actor); with group_size > 1 the run is GRPO and the critic keys
+    (gamma, gae_lambda, critic_lr, vf_coef, value_clip, critic_warmup_iters, num_steps) are unused."""
+
+    name: str
+    actor: str
+    actor_kwargs: dict[str, Any]
+    num_steps: int            # MDP steps per env per iteration (chunks for chunk actors)
+    gamma: float
+    gae_lambda: float
+    reward: str
+    reward_shaping: float
+    bootstrap_truncation: Any
+    lr: float
+    critic_lr: float
+    anneal_lr: bool
+    update_epochs: int
+    num_minibatches: int
+    clip: float
+    dual_clip: float | None
+    value_clip: float | None
+    ent_coef: float
+    vf_coef: float
+    base_reg_coef: float
+    target_kl: float | None
+    critic_warmup_iters: int
+    norm_adv: bool
+    max_grad_norm: float
+    group_size: int
+
+    @classmethod
+    def from_cfg(cls, algo: Any) -> PPOConfig:
+        values = OmegaConf.to_container(algo, resolve=True)
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        grpo = self.group_size > 1
+        checks = [
+            ("num_steps", self.num_steps >= 1 or grpo, ">= 1"),
+            ("gamma", 0.0 <= self.gamma <= 1.0, "in [0, 1]"),
+            ("gae_lambda", 0.0 <= self.gae_lambda <= 1.0, "in [0, 1]"),
+            ("reward_shaping", self.reward_shaping >= 0, ">= 0"),
+            ("lr", self.lr > 0, "> 0"),
+            ("critic_lr", self.critic_lr >= 0, ">= 0"),
+            ("update_epochs", self.update_epochs >= 1, ">= 1"),
+            ("num_minibatches", self.num_minibatches >= 1, ">= 1"),
+            ("clip", self.clip > 0, "> 0"),
+            ("dual_clip", self.dual_clip is None or self.dual_clip > 1, "> 1 or null"),
+            ("value_clip", self.value_clip is None or self.value_clip > 0, "> 0 or null"),
+            ("ent_coef", self.ent_coef >= 0, ">= 0"),
+            ("vf_coef", self.vf_coef >= 0, ">= 0"),
+            ("base_reg_coef", self.base_reg_coef >= 0, ">= 0"),
+            ("target_kl", self.target_kl is None or self.target_kl > 0, "> 0 or null"),
+            ("critic_warmup_iters", self.critic_warmup_iters >= 0, ">= 0"),
+            ("max_grad_norm", self.max_grad_norm > 0, "> 0"),
+            ("group_size", self.group_size == 0 or self.group_size >= 2, "0 (PPO) or >= 2 (GRPO)"),
+        ]
+        for key, ok, expected in checks:
+            if not ok:
+                raise UserError(f"algo.{key} must be {expected}, got {getattr(self, key)}")
+
+
+def validate_config(cfg: Any) -> None:
+    """Called by `embodied-rl finetune` before any work."""
+    config = PPOConfig.from_cfg(cfg.algo)
+    reward_settings(cfg)
+    if config.group_size > 1 and int(cfg.num_envs) % config.group_size:
+        raise UserError(f"num_envs={cfg.num_envs} must be a multiple of algo.group_size={config.group_size}")
+
+
+def make_ppo_actor(config: PPOConfig, policy, num_envs: int):
+    return make_actor(config.actor, policy, num_envs, **config.actor_kwargs)
 
 
 @torch.no_grad()
@@ -108,13 +165,15 @@ def mdp_step(env, henv, actor, obs):
     return obs_in, out, next_obs, reward, terminated, truncated, info
 
 
-def collect_ppo(env, henv, actor, obs, num_steps: int, sparse_reward: bool = False,
+def collect_ppo(env, henv, actor, obs, num_steps: int, loop: FinetuneLoop, sparse_reward: bool = False,
                 shaping: PotentialShaping | None = None, bootstrap_truncation: bool = True):
-    """`num_steps` MDP steps of every env. Returns (batch dict [T, N, ...], next obs, stats).
-    Stats report the env's own episode return and success; the batch holds the training reward.
-    `bootstrap_truncation=False` gives a time-limited episode no value after its last step (the
-    time limit is part of the task: success must come before it)."""
-    rows, returns, successes = [], [], []
+    """`num_steps` MDP steps of every env. Returns (batch dict [T, N, ...], next obs).
+    Finished episodes (the env's own return and success) go to `loop`, which also counts the env
+    steps; the batch holds the training reward. `bootstrap_truncation=False` gives a time-limited
+    episode no value after its last step (the time limit is part of the task: success must come
+    before it)."""
+    rows = []
+    steps_per_mdp = actor.n_action_steps if actor.chunked else 1
     for _ in range(num_steps):
         obs_in, out, next_obs, reward, terminated, truncated, info = mdp_step(env, henv, actor, obs)
         done = terminated | truncated
@@ -124,9 +183,7 @@ def collect_ppo(env, henv, actor, obs, num_steps: int, sparse_reward: bool = Fal
             next_value[done] = actor.get_value(info["final_obs"][done])
             if not bootstrap_truncation:
                 next_value[truncated] = 0.0
-            ended = info["_episode"]
-            returns += info["episode"]["return"][ended].tolist()
-            successes += info["episode"]["success_once"][ended].float().tolist()
+        loop.advance(env.num_envs * steps_per_mdp, info)
         train_reward = training_reward(reward, info, sparse_reward)
         if shaping is not None:
             train_reward = train_reward + shaping(reward, done)
@@ -137,12 +194,13 @@ def collect_ppo(env, henv, actor, obs, num_steps: int, sparse_reward: bool = Fal
     stash = _stack([r.pop("stash") for r in rows])
     batch = _stack(rows)
     batch["stash"] = stash
-    return batch, obs, {"episodes": len(returns), "returns": returns, "successes": successes}
+    return batch, obs
 
 
 @torch.no_grad()
 def collect_grpo(env, henv, actor, group_size: int, max_mdp_steps: int, sparse_reward: bool = False):
-    """One episode per env from G-fold shared initial states. Returns (batch, stats)."""
+    """One episode per env from G-fold shared initial states. Returns (batch, stats); the
+    episodes' env steps are counted by the caller (every env runs until the last one ends)."""
     obs, _ = henv.reset(group_size=group_size)
     n = env.num_envs
     actor.reset(torch.ones(n, dtype=torch.bool))
@@ -176,112 +234,89 @@ def collect_grpo(env, henv, actor, group_size: int, max_mdp_steps: int, sparse_r
 
 
 def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
-    algo = cfg.algo
+    algo = PPOConfig.from_cfg(cfg.algo)
     device = torch.device(cfg.device)
-    group_size = int(algo.get("group_size", 0) or 0)
+    group_size = algo.group_size
     grpo = group_size > 1
     num_envs = env.num_envs
-    if grpo and num_envs % group_size:
-        raise UserError(f"num_envs={num_envs} must be a multiple of algo.group_size={group_size}")
     if len(getattr(env.single_observation_space, "shape", None) or ()) != 1:
         raise UserError("on-policy fine-tuning supports state observations only (obs_mode=state)")
     torch.manual_seed(int(cfg.seed))
-    reward_mode = str(algo.get("reward", "env"))
-    if reward_mode not in ("env", "success", "auto"):
-        raise UserError(f"algo.reward must be env, success or auto, got '{reward_mode}'")
-    has_success = bool(cfg.task.get("has_success", True))
-    if reward_mode == "success" and not has_success:
-        raise UserError(f"algo.reward=success needs a task with a success signal; {cfg.task.name} has none")
-    sparse_reward = reward_mode == "success" or (reward_mode == "auto" and has_success)
-    shaping_coef = float(algo.get("reward_shaping", 0.0) or 0.0)
+    rewards = reward_settings(cfg)
     # shaping adds to the sparse success reward; a dense env reward (hopper) is used as it is
-    shaping = PotentialShaping(shaping_coef, float(algo.gamma)) if shaping_coef and sparse_reward else None
-    # With the success reward the goal is success *within* the time limit: running out of time is
-    # a failure, not a cut we bootstrap across (else hovering next to the goal until the limit
-    # is valued like finishing). auto: no bootstrap with the success reward, bootstrap otherwise.
-    bootstrap = algo.get("bootstrap_truncation", "auto")
-    bootstrap_truncation = (not sparse_reward) if bootstrap in ("auto", None) else bool(bootstrap)
+    shaping = PotentialShaping(algo.reward_shaping, algo.gamma) if algo.reward_shaping and rewards.sparse else None
 
-    # ---- actor, optimiser, counters (resumed from checkpoints/last when it exists) ----
-    actor = make_ppo_actor(cfg, policy, num_envs).to(device)
+    # ---- actor, optimiser, run bookkeeping (resumed from the newest checkpoint when there is one) ----
+    actor = make_ppo_actor(algo, policy, num_envs).to(device)
     if shaping is not None and (actor.chunked or grpo):
         raise UserError("algo.reward_shaping needs a per-step actor (residual) and PPO, not chunks or GRPO")
-    param_groups = [{"params": actor.actor_parameters(), "lr": float(algo.lr)}]
+    param_groups = [{"params": actor.actor_parameters(), "lr": algo.lr}]
     if not grpo:
-        param_groups.append({"params": actor.critic_parameters(), "lr": float(algo.critic_lr)})
+        param_groups.append({"params": actor.critic_parameters(), "lr": algo.critic_lr})
     optimizer = torch.optim.Adam(param_groups, eps=1e-5)
     initial_lrs = [group["lr"] for group in optimizer.param_groups]
-    anneal_lr = bool(algo.get("anneal_lr", False))
     steps_per_mdp = actor.n_action_steps if actor.chunked else 1
     max_mdp_steps = math.ceil(env.max_episode_steps / steps_per_mdp) + 1
-    env_steps_per_iter = num_envs * steps_per_mdp * (max_mdp_steps if grpo else int(algo.num_steps))
+    env_steps_per_iter = num_envs * steps_per_mdp * (max_mdp_steps if grpo else algo.num_steps)
     iterations = max(1, math.ceil(int(cfg.env_steps) / env_steps_per_iter))
 
-    counters = {"iteration": 0, "env_steps": 0, "episodes": 0}
-    state = load_training_state(run)
-    if state is not None:
-        from safetensors.torch import load_file
-
-        load_weights(actor, {k: v.to(device) for k, v in load_file(str(state["path"] / "actor.safetensors")).items()},
-                     state["path"])
-        counters.update(restore(state, {"optimizer": optimizer}))
-    evaluator = Evaluator(cfg, run, counters=counters)
-
-    def eval_agent(n: int) -> ActorAgent:
-        return ActorAgent(actor.for_eval(n), n, deterministic=True)
-
-    def checkpoint() -> None:
-        save_checkpoint(run, counters["env_steps"], actor.save, {"optimizer": optimizer},
-                        {**counters, **evaluator.clock()})
-
-    if state is None and evaluator.every > 0:
-        evaluator.maybe_evaluate(0, eval_agent, force=True)  # the base policy: step 0 of the curve
+    loop = FinetuneLoop(cfg, run, lambda n: ActorAgent(actor.for_eval(n), n, deterministic=True))
+    loop.counters["iteration"] = 0
+    saved = loop.resume({"actor": actor}, {"optimizer": optimizer}, actor.save)
 
     # ---- the env; chunk actors see obs histories kept by HistoryEnv ----
     history = ObsHistory(actor.n_obs_steps)
     henv = HistoryEnv(env, history)
-    obs, _ = henv.reset(seed=int(cfg.seed) + counters["iteration"])
-    actor.reset(torch.ones(num_envs, dtype=torch.bool))
-    bar = progress(total=int(cfg.env_steps), desc=f"finetune {algo.name}")
-    bar.update(min(counters["env_steps"], int(cfg.env_steps)))
+    if saved is None:
+        obs, _ = henv.reset(seed=int(cfg.seed))
+        actor.reset(torch.ones(num_envs, dtype=torch.bool))
+    else:  # continue exactly where the checkpoint stopped: same env states, histories, queues
+        env.set_state(saved["env"])
+        obs, history.buffer = saved["obs"].to(device), saved["history"]
+        actor.load_runtime_state(saved["actor"])
+        if shaping is not None:
+            shaping.previous, shaping.fresh = saved["shaping"]
 
-    while counters["iteration"] < iterations:
+    def loop_state() -> dict[str, Any]:
+        state = {"env": env.get_state(), "obs": obs, "history": history.buffer, "actor": actor.runtime_state()}
+        if shaping is not None:
+            state["shaping"] = (shaping.previous, shaping.fresh)
+        return state
+
+    loop.start(f"finetune {algo.name}")
+    while loop.counters["iteration"] < iterations:
         iteration_start = time.perf_counter()
+        steps_before = loop.env_steps
         # ---- rollout ----
         actor.eval()
         if grpo:
-            batch, stats = collect_grpo(env, henv, actor, group_size, max_mdp_steps, sparse_reward)
-            mdp_steps = batch["valid"].shape[0]
+            batch, stats = collect_grpo(env, henv, actor, group_size, max_mdp_steps, rewards.sparse)
+            loop.advance(batch["valid"].shape[0] * num_envs * steps_per_mdp)
+            loop.record_episodes(stats["returns"], stats["successes"])
         else:
-            batch, obs, stats = collect_ppo(env, henv, actor, obs, int(algo.num_steps), sparse_reward, shaping,
-                                            bootstrap_truncation)
-            mdp_steps = int(algo.num_steps)
+            batch, obs = collect_ppo(env, henv, actor, obs, algo.num_steps, loop, rewards.sparse, shaping,
+                                     rewards.bootstrap_truncation)
             advantages, returns = core.gae(batch["reward"], batch["value"], batch["next_value"],
-                                           batch["terminated"], batch["truncated"],
-                                           float(algo.gamma), float(algo.gae_lambda))
+                                           batch["terminated"], batch["truncated"], algo.gamma, algo.gae_lambda)
             batch["advantage"], batch["return"] = advantages, returns
             batch["valid"] = torch.ones_like(batch["reward"])
         rollout_s = time.perf_counter() - iteration_start
-        env_steps = mdp_steps * num_envs * steps_per_mdp
-        counters["env_steps"] += env_steps
-        counters["episodes"] += stats["episodes"]
+        env_steps = loop.env_steps - steps_before
 
         # ---- flatten [T, N] -> [B] ----
         flat = {k: _flat(v) for k, v in batch.items() if k != "stash"}
         flat_stash = {k: _flat(v) for k, v in batch["stash"].items()}
         valid = flat["valid"].bool()
         advantage = flat["advantage"]
-        if bool(algo.norm_adv) and int(valid.sum()) > 1:
+        if algo.norm_adv and int(valid.sum()) > 1:
             advantage = core.masked_whiten(advantage, valid) * valid
         batch_size = flat["logprob"].shape[0]
-        minibatch_size = max(1, batch_size // int(algo.num_minibatches))
-        clips = actor.clip_coefs(float(algo.clip))
+        minibatch_size = max(1, batch_size // algo.num_minibatches)
+        clips = actor.clip_coefs(algo.clip)
         adv_weights = actor.advantage_weights().to(device)
-        dual_clip = None if algo.dual_clip is None else float(algo.dual_clip)
-        value_clip = None if algo.value_clip is None else float(algo.value_clip)
-        critic_only = (not grpo) and counters["iteration"] < int(algo.critic_warmup_iters)
-        if anneal_lr:  # linear decay to 0 at the last iteration (CleanRL's anneal_lr); resumes exactly
-            remaining = 1.0 - counters["iteration"] / iterations
+        critic_only = (not grpo) and loop.counters["iteration"] < algo.critic_warmup_iters
+        if algo.anneal_lr:  # linear decay to 0 at the last iteration (CleanRL's anneal_lr); resumes exactly
+            remaining = 1.0 - loop.counters["iteration"] / iterations
             for group, initial_lr in zip(optimizer.param_groups, initial_lrs):
                 group["lr"] = initial_lr * remaining
 
@@ -290,7 +325,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         metrics: dict[str, list[float]] = {}
         first_ratio_dev = None
         stop = False
-        for _epoch in range(int(algo.update_epochs)):
+        for _epoch in range(algo.update_epochs):
             order = torch.randperm(batch_size, device=device)
             for begin in range(0, batch_size, minibatch_size):
                 mb = order[begin:begin + minibatch_size]
@@ -310,7 +345,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
                     pg_losses, approx_kl, clipfrac = [], [], []
                     for col, clip in enumerate(clips):
                         pg, info = core.policy_loss(logprob[:, col], old_logprob[:, col], mb_adv[:, col],
-                                                    mb_valid, clip_low=clip, clip_high=clip, dual_clip=dual_clip)
+                                                    mb_valid, clip_low=clip, clip_high=clip, dual_clip=algo.dual_clip)
                         pg_losses.append(pg)
                         approx_kl.append(info["approx_kl"])
                         clipfrac.append(info["clipfrac"])
@@ -318,52 +353,42 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
                     losses["approx_kl"] = torch.stack(approx_kl).mean().detach()
                     losses["clipfrac"] = torch.stack(clipfrac).mean().detach()
                     losses["entropy"] = core.agg_loss(entropy.mean(-1), mb_valid, "token-mean")
-                    loss = losses["policy_loss"] - float(algo.ent_coef) * losses["entropy"]
-                    if float(algo.base_reg_coef) > 0:
+                    loss = losses["policy_loss"] - algo.ent_coef * losses["entropy"]
+                    if algo.base_reg_coef > 0:
                         losses["base_kl"] = core.agg_loss(actor.base_kl(mb_obs, mb_stash), mb_valid, "token-mean")
-                        loss = loss + float(algo.base_reg_coef) * losses["base_kl"]
+                        loss = loss + algo.base_reg_coef * losses["base_kl"]
                 if not grpo:
                     losses["value_loss"] = actor.value_loss(mb_obs, mb_stash, flat["value"][mb], flat["return"][mb],
-                                                            mb_valid, value_clip)
-                    loss = loss + float(algo.vf_coef) * losses["value_loss"]
+                                                            mb_valid, algo.value_clip)
+                    loss = loss + algo.vf_coef * losses["value_loss"]
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(actor.parameters(), float(algo.max_grad_norm))
-                optimizer.step()
+                grad_norm = torch.nn.utils.clip_grad_norm_(actor.parameters(), algo.max_grad_norm)
                 for key, value in losses.items():
                     metrics.setdefault(key, []).append(float(value.detach()))
+                # a non-finite loss or gradient stops the run before it reaches the weights
+                loop.check_finite("train/loss", loss, {f"train/{k}": v[-1] for k, v in metrics.items()})
+                loop.check_finite("train/grad_norm", grad_norm)
+                optimizer.step()
             kl = metrics.get("approx_kl", [0.0])
-            if algo.target_kl is not None and not critic_only and kl and kl[-1] > float(algo.target_kl):
+            if algo.target_kl is not None and not critic_only and kl and kl[-1] > algo.target_kl:
                 stop = True
             if stop:
                 break
-        counters["iteration"] += 1
+        loop.counters["iteration"] += 1
 
         # ---- log, evaluate, checkpoint ----
         iteration_s = time.perf_counter() - iteration_start
         log = {f"train/{k}": sum(v) / len(v) for k, v in metrics.items()}
-        log.update({"train/iteration": counters["iteration"], "train/rollout_s": rollout_s,
+        log.update({"train/iteration": loop.counters["iteration"], "train/rollout_s": rollout_s,
                     "train/lr": optimizer.param_groups[0]["lr"],
                     "train/iteration_s": iteration_s, "train/sps": env_steps / iteration_s,
                     "train/early_stop": float(stop), "train/critic_only": float(critic_only)})
         if first_ratio_dev is not None:
             log["train/first_minibatch_ratio_dev"] = first_ratio_dev
-        if stats["returns"]:
-            log["train/episode_return"] = sum(stats["returns"]) / len(stats["returns"])
-            log["train/success_rate"] = sum(stats["successes"]) / len(stats["successes"])
         if grpo:
             log["train/informative_groups"] = stats["informative_groups"]
-        run.log(counters["env_steps"], log)
-        bar.update(env_steps)
-        if int(algo.checkpoint_every) > 0 and counters["iteration"] % int(algo.checkpoint_every) == 0:
-            checkpoint()
-        evaluator.maybe_evaluate(counters["env_steps"], eval_agent)
+        loop.log(log)
+        loop.boundary(loop_state)
 
-    bar.close()
-    checkpoint()
-    info = evaluator.last_info
-    if evaluator.every > 0 and evaluator.last_step != counters["env_steps"]:
-        info = evaluator.maybe_evaluate(counters["env_steps"], eval_agent, force=True)
-    evaluator.close()
-    run.log(counters["env_steps"], {"train/wall_s": evaluator.clock()["wall_s"]})
-    return headline_from_eval(info, counters["env_steps"], run)
+    return loop.finish(loop_state())

@@ -17,11 +17,13 @@ action the base policy would have taken there); a terminated one does not bootst
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 from embodied_rl.actors.latent_noise import state_obs
@@ -29,12 +31,12 @@ from embodied_rl.actors.residual_offpolicy import (
     BaseActionQueue,
     ResidualAgent,
     actor_obs,
-    load_tensors,
     make_actor,
     mlp,
     save_residual_actor,
 )
-from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart, sparse_reward
+from embodied_rl.algos.common import FinetuneLoop, reward_settings, training_reward
+from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart
 from embodied_rl.errors import UserError
 
 # --------------------------------------------------------------------------------------------
@@ -114,6 +116,19 @@ class Replay:
         idx = torch.randint(0, self.size, (n,), generator=generator)
         return {k: v[idx.to(v.device)] for k, v in self.data.items()}
 
+    def state_dict(self) -> dict[str, Any]:
+        """The filled part of the buffer and its write position (what a checkpoint saves)."""
+        return {"data": {k: v[: self.size].cpu() for k, v in self.data.items()},
+                "pos": torch.tensor(self.pos), "size": torch.tensor(self.size)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        size = int(state["size"])
+        if size > self.capacity:
+            raise UserError(f"the saved replay buffer holds {size} transitions, more than algo.buffer_size={self.capacity}")
+        for key, value in state["data"].items():
+            self.data[key][:size] = value.to(self.data[key])
+        self.pos, self.size = int(state["pos"]) % self.capacity, size
+
 
 def demo_transitions(dataset: Any, policy: Any, gamma: float, success_terminates: bool, device: torch.device,
                      sparse: bool = False) -> dict[str, Tensor]:
@@ -186,22 +201,99 @@ def find_demo_path(cfg: Any) -> Path | None:
 
 
 # --------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResidualOffPolicyConfig:
+    """configs/algo/residual_offpolicy.yaml (the one home of its defaults; algo=residual_sac is
+    the same file under its former name)."""
+
+    name: str
+    learner: str               # td3 | sac
+    residual_scale: float
+    residual_penalty: float
+    normalize_obs: bool
+    actor_hidden_sizes: list[int]
+    critic_hidden_sizes: list[int]
+    ensemble: int
+    n_step: int
+    gamma: float
+    tau: float
+    actor_lr: float
+    critic_lr: float
+    batch_size: int
+    buffer_size: int
+    utd_ratio: float
+    demo_fraction: float
+    data: str | None
+    init_alpha: float
+    target_entropy: Any        # "auto" or a number
+    exploration_noise: float
+    target_noise: float
+    policy_delay: int
+    reward: str
+    warmup_env_steps: int
+    critic_only_steps: int
+
+    @classmethod
+    def from_cfg(cls, algo: Any) -> ResidualOffPolicyConfig:
+        config = cls(**OmegaConf.to_container(algo, resolve=True))
+        checks = [
+            ("learner", config.learner in ("td3", "sac"), "td3 or sac"),
+            ("residual_scale", config.residual_scale > 0, "> 0"),
+            ("residual_penalty", config.residual_penalty >= 0, ">= 0"),
+            ("actor_hidden_sizes", all(h >= 1 for h in config.actor_hidden_sizes), "a list of sizes >= 1"),
+            ("critic_hidden_sizes", all(h >= 1 for h in config.critic_hidden_sizes), "a list of sizes >= 1"),
+            ("ensemble", config.ensemble >= 2, ">= 2"),
+            ("n_step", config.n_step >= 1, ">= 1"),
+            ("gamma", 0.0 <= config.gamma <= 1.0, "in [0, 1]"),
+            ("tau", 0.0 < config.tau <= 1.0, "in (0, 1]"),
+            ("actor_lr", config.actor_lr > 0, "> 0"),
+            ("critic_lr", config.critic_lr > 0, "> 0"),
+            ("batch_size", config.batch_size >= 1, ">= 1"),
+            ("buffer_size", config.buffer_size >= 1, ">= 1"),
+            ("utd_ratio", config.utd_ratio > 0, "> 0"),
+            ("demo_fraction", 0.0 <= config.demo_fraction < 1.0, "in [0, 1)"),
+            ("init_alpha", config.init_alpha > 0, "> 0"),
+            ("target_entropy", config.target_entropy == "auto" or isinstance(config.target_entropy, (int, float)),
+             "auto or a number"),
+            ("exploration_noise", config.exploration_noise >= 0, ">= 0"),
+            ("target_noise", config.target_noise >= 0, ">= 0"),
+            ("policy_delay", config.policy_delay >= 1, ">= 1"),
+            ("warmup_env_steps", config.warmup_env_steps >= 0, ">= 0"),
+            ("critic_only_steps", config.critic_only_steps >= 0, ">= 0"),
+        ]
+        for key, ok, expected in checks:
+            if not ok:
+                raise UserError(f"algo.{key} must be {expected}, got {getattr(config, key)!r}")
+        return config
+
+
+def validate_config(cfg: Any) -> None:
+    """Called by `embodied-rl finetune` before any work."""
+    ResidualOffPolicyConfig.from_cfg(cfg.algo)
+    reward_settings(cfg)
+    find_demo_path(cfg)  # a bad algo.data is an error
+
+
+# --------------------------------------------------------------------------------------------
 # The learner
 # --------------------------------------------------------------------------------------------
 
 
 class ResidualSAC:
-    """Residual actor + Q ensemble + their optimisers and updates (SAC or TD3, config `actor`)."""
+    """Residual actor + Q ensemble + their optimisers and updates (TD3 or SAC, config `learner`).
+    `state_dict()` / `load_state_dict()` cover every network, target, the entropy coefficient and
+    the learner's RNG (a checkpoint resumes it exactly)."""
 
-    def __init__(self, algo: Any, obs_dim: int, action_dim: int, device: torch.device, seed: int):
-        if algo.actor not in ("sac", "td3"):
-            raise UserError(f"algo.actor must be 'sac' or 'td3', got {algo.actor!r}")
-        if int(algo.ensemble) < 2 or int(algo.n_step) < 1:
-            raise UserError("algo.ensemble must be >= 2 and algo.n_step >= 1")
+    def __init__(self, algo: ResidualOffPolicyConfig, obs_dim: int, action_dim: int, device: torch.device, seed: int):
         self.algo, self.device = algo, device
+        # the residual network's constructor arguments (agent.json); "actor" names the learner
         self.config = {"obs_dim": obs_dim, "action_dim": action_dim, "hidden_sizes": list(algo.actor_hidden_sizes),
-                       "residual_scale": float(algo.residual_scale), "actor": str(algo.actor),
-                       "normalize_obs": bool(algo.normalize_obs)}
+                       "residual_scale": algo.residual_scale, "actor": algo.learner,
+                       "normalize_obs": algo.normalize_obs}
         self.actor = make_actor(self.config).to(device)
         self.actor_target = make_actor(self.config).to(device).requires_grad_(False)
         self.actor_target.load_state_dict(self.actor.state_dict())
@@ -225,13 +317,13 @@ class ResidualSAC:
         """Residual for data collection: SAC samples; TD3 adds Gaussian exploration noise."""
         with torch.no_grad():
             residual, _ = self.actor.sample(obs, base)
-            if self.algo.actor == "td3":
+            if self.algo.learner == "td3":
                 noise = torch.randn_like(residual) * float(self.algo.exploration_noise) * self.actor.scale
                 residual = (residual + noise).clamp(-self.actor.scale, self.actor.scale)
         return residual
 
     def _next_action(self, obs: Tensor, base: Tensor) -> tuple[Tensor, Tensor]:
-        if self.algo.actor == "td3":  # target policy smoothing
+        if self.algo.learner == "td3":  # target policy smoothing
             residual = self.actor_target(obs, base)
             noise = (torch.randn_like(residual) * float(self.algo.target_noise) * self.actor.scale).clamp(
                 -0.5 * self.actor.scale, 0.5 * self.actor.scale)
@@ -240,7 +332,7 @@ class ResidualSAC:
         return (base + residual).clamp(-1, 1), log_prob
 
     def update(self, batch: dict[str, Tensor], update_actor: bool) -> dict[str, float]:
-        alpha = self.log_alpha.exp().detach() if self.algo.actor == "sac" else torch.zeros((), device=self.device)
+        alpha = self.log_alpha.exp().detach() if self.algo.learner == "sac" else torch.zeros((), device=self.device)
         with torch.no_grad():
             next_action, next_log_prob = self._next_action(batch["next_obs"], batch["next_base"])
             next_q = random_pair_min(self.critic_target(batch["next_obs"], batch["next_base"], next_action), self.generator)
@@ -253,10 +345,10 @@ class ResidualSAC:
         stats = {"train/critic_loss": critic_loss.item(), "train/q": q.mean().item()}
 
         self.updates += 1
-        delay = int(self.algo.policy_delay) if self.algo.actor == "td3" else 1
+        delay = int(self.algo.policy_delay) if self.algo.learner == "td3" else 1
         if update_actor and self.updates % delay == 0:
             residual, log_prob = self.actor.sample(batch["obs"], batch["base"])
-            if self.algo.actor == "td3":
+            if self.algo.learner == "td3":
                 residual = self.actor(batch["obs"], batch["base"])
             action = (batch["base"] + residual).clamp(-1, 1)
             self.critic.requires_grad_(False)  # the actor loss needs dQ/da only, not critic weight grads
@@ -265,13 +357,13 @@ class ResidualSAC:
             # Adam normalises gradient scale away, so even a faint but consistent critic slope
             # saturates tanh within a few hundred updates; the penalty keeps a residual only
             # where dQ/dr beats 2 * residual_penalty * (r / scale).
-            penalty = float(self.algo.get("residual_penalty", 0.0)) * (residual / self.actor.scale).pow(2).sum(-1)
+            penalty = self.algo.residual_penalty * (residual / self.actor.scale).pow(2).sum(-1)
             actor_loss = (alpha * log_prob - q_pi + penalty).mean()
             self.actor_optimizer.zero_grad()
             actor_loss.backward()
             self.actor_optimizer.step()
             stats.update({"train/actor_loss": actor_loss.item(), "train/residual_abs": residual.abs().mean().item()})
-            if self.algo.actor == "sac":
+            if self.algo.learner == "sac":
                 alpha_loss = -(self.log_alpha * (log_prob.detach() + self.target_entropy)).mean()
                 self.alpha_optimizer.zero_grad()
                 alpha_loss.backward()
@@ -281,14 +373,15 @@ class ResidualSAC:
         _polyak(self.critic, self.critic_target, float(self.algo.tau))
         return stats
 
-    def state_tensors(self) -> dict[str, Any]:
-        return {"actor_target": self.actor_target.state_dict(), "critic_target": self.critic_target.state_dict(),
+    def state_dict(self) -> dict[str, Any]:
+        return {"actor": self.actor.state_dict(), "critic": self.critic.state_dict(),
+                "actor_target": self.actor_target.state_dict(), "critic_target": self.critic_target.state_dict(),
                 "log_alpha": self.log_alpha.detach().cpu(), "generator": self.generator.get_state(),
-                "updates": self.updates}
+                "updates": torch.tensor(self.updates)}
 
-    def load_state_tensors(self, state: dict[str, Any]) -> None:
-        self.actor_target.load_state_dict(state["actor_target"])
-        self.critic_target.load_state_dict(state["critic_target"])
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name in ("actor", "critic", "actor_target", "critic_target"):
+            getattr(self, name).load_state_dict(state[name])
         with torch.no_grad():
             self.log_alpha.copy_(state["log_alpha"].to(self.device))
         self.generator.set_state(state["generator"])
@@ -307,17 +400,9 @@ def _polyak(source: nn.Module, target: nn.Module, tau: float) -> None:
 
 def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     """Collect with base + residual, update at the UTD ratio, evaluate and checkpoint."""
-    from embodied_rl.algos.common import (
-        Evaluator,
-        headline_from_eval,
-        load_training_state,
-        restore,
-        save_checkpoint,
-    )
     from embodied_rl.data.dataset import DemoDataset
-    from embodied_rl.runs import progress
 
-    algo = cfg.algo
+    algo = ResidualOffPolicyConfig.from_cfg(cfg.algo)
     seed = int(cfg.seed)
     torch.manual_seed(seed)
     device = torch.device(str(cfg.device))
@@ -327,66 +412,57 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     obs_dim = int(env.single_observation_space.shape[0]) if hasattr(env.single_observation_space, "shape") else 0
     action_dim = int(env.single_action_space.shape[0])
     learner = ResidualSAC(algo, obs_dim, action_dim, device, seed)
-    warm_start = WarmStart.from_config(algo)
-    sparse = sparse_reward(cfg)
-    gamma, n_step = float(algo.gamma), int(algo.n_step)
-    replay = Replay(int(algo.buffer_size), obs_dim, action_dim, device)
-    batch_size = int(algo.batch_size)
-    utd = float(algo.utd_ratio)
-    if utd <= 0:
-        raise UserError(f"algo.utd_ratio must be > 0, got {utd}")
+    warm_start = WarmStart(algo.warmup_env_steps, algo.critic_only_steps)
+    sparse = reward_settings(cfg).sparse
+    replay = Replay(algo.buffer_size, obs_dim, action_dim, device)
 
     def features(obs: Tensor) -> Tensor:  # what the actor and the critics see (the replay stores it)
-        return actor_obs(policy, obs.to(device), bool(algo.normalize_obs))
+        return actor_obs(policy, obs.to(device), algo.normalize_obs)
 
     demos = None
-    demo_fraction = float(algo.demo_fraction)
-    demo_path = find_demo_path(cfg) if demo_fraction > 0 or algo.get("data") else None  # a bad algo.data is an error
-    if demo_path is not None and demo_fraction > 0:
+    demo_path = find_demo_path(cfg) if algo.demo_fraction > 0 else None
+    if demo_path is not None:
         task = getattr(env, "task", None)
-        demos = demo_transitions(DemoDataset.load(demo_path), policy, gamma,
+        demos = demo_transitions(DemoDataset.load(demo_path), policy, algo.gamma,
                                  bool(getattr(task, "success_terminates", True)), device, sparse)
         for key in ("obs", "next_obs"):
             demos[key] = features(demos[key])
-    demo_batch = int(round(batch_size * demo_fraction)) if demos is not None else 0
+    demo_batch = int(round(algo.batch_size * algo.demo_fraction)) if demos is not None else 0
     demo_generator = torch.Generator().manual_seed(seed + 1)
 
     def write_agent(path: Path) -> None:
         save_residual_actor(path, learner.actor, learner.critic, policy, learner.config)
 
-    env_steps, pending_updates, counters = 0, 0.0, {}
-    resumed = load_training_state(run)
-    if resumed is not None:
-        learner.actor.load_state_dict(load_tensors(resumed["path"], "actor."))
-        learner.critic.load_state_dict(load_tensors(resumed["path"], "critic."))
-        counters = restore(resumed, learner.optimizers())
-        learner.load_state_tensors(resumed["state"]["learner"])
-        env_steps = int(counters["env_steps"])
-        # the replay buffer is not saved: it refills from the resumed policy's rollouts
-
-    def save(step: int) -> None:
-        save_checkpoint(run, step, write_agent, learner.optimizers(), {"env_steps": step, **evaluator.clock()},
-                        {"learner": learner.state_tensors()})
-
     def make_agent(n: int) -> ResidualAgent:
-        return ResidualAgent(learner.actor, policy, n, bool(algo.normalize_obs))
+        return ResidualAgent(learner.actor, policy, n, algo.normalize_obs)
 
-    evaluator = Evaluator(cfg, run, counters=counters)
-    if resumed is None and evaluator.every > 0:
-        evaluator.maybe_evaluate(0, make_agent, force=True)  # zero residual: the base policy
+    loop = FinetuneLoop(cfg, run, make_agent)
+    saved = loop.resume({"learner": learner}, learner.optimizers(), write_agent)
     queue = BaseActionQueue(policy, num_envs, seed=seed)
-    obs, _ = env.reset(seed=seed + env_steps)
-    obs = state_obs(obs)
-    base = queue.act(obs)
-    window: list[dict[str, Tensor]] = []
+    window: list[dict[str, Tensor]] = []  # the last n_step steps, whose n-step returns are not complete yet
+    pending_updates = 0.0
     stats: dict[str, float] = {}
-    returns, successes = [], []
-    log_every = max(num_envs, int(cfg.get("log_every", 0) or num_envs * 50))
-    next_log = env_steps + log_every
-    bar = progress(total=int(cfg.env_steps), desc="finetune residual_sac")
-    bar.update(env_steps)
-    while env_steps < int(cfg.env_steps):
-        phase = warm_start.phase(env_steps)
+    if saved is None:
+        obs, _ = env.reset(seed=seed)
+        obs = state_obs(obs)
+        base = queue.act(obs)
+    else:  # continue exactly where the checkpoint stopped
+        env.set_state(saved["env"])
+        obs, base, window = saved["obs"], saved["base"], saved["window"]
+        queue.load_state_dict(saved["queue"])
+        demo_generator.set_state(saved["demo_generator"])
+        pending_updates = float(saved["pending_updates"])
+        if "replay" in saved:
+            replay.load_state_dict(saved["replay"])
+
+    def loop_state() -> dict[str, Any]:
+        return {"env": env.get_state(), "obs": obs, "base": base, "window": window, "queue": queue.state_dict(),
+                "demo_generator": demo_generator.get_state(), "pending_updates": torch.tensor(pending_updates),
+                "replay": replay.state_dict()}
+
+    loop.start(f"finetune {algo.name}")
+    while loop.env_steps < loop.total_env_steps:
+        phase = warm_start.phase(loop.env_steps)
         obs_features = features(obs)  # once per step: for the actor now, and for the replay
         residual = torch.zeros_like(base) if phase == WARMUP else learner.explore(obs_features, base.to(device)).to(obs.device)
         action = (base + residual).clamp(-1.0, 1.0)
@@ -397,53 +473,34 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         bootstrap_base = queue.peek(final_obs, done)  # what the base policy would do at final_obs
         queue.reset(done.cpu())
         next_base = queue.act(next_obs)
-        train_reward = info["success"].float() if sparse else reward.float()
-        window.append({"obs": obs_features, "base": base, "action": action, "reward": train_reward,
-                       "terminated": terminated, "truncated": truncated, "next_obs": features(final_obs),
+        window.append({"obs": obs_features, "base": base, "action": action,
+                       "reward": training_reward(reward, info, sparse), "terminated": terminated,
+                       "truncated": truncated, "next_obs": features(final_obs),
                        "next_base": torch.where(done[:, None], bootstrap_base, next_base)})
-        if len(window) == n_step:  # the oldest step now has its n-step return
+        if len(window) == algo.n_step:  # the oldest step now has its n-step return
             steps = {key: torch.stack([w[key] for w in window]) for key in window[0]}
-            ret, discount, last = nstep_returns(steps["reward"], steps["terminated"], steps["truncated"], gamma)
+            ret, discount, last = nstep_returns(steps["reward"], steps["terminated"], steps["truncated"], algo.gamma)
             rows = torch.arange(num_envs, device=ret.device)
             replay.add({"obs": steps["obs"][0], "base": steps["base"][0], "action": steps["action"][0],
                         "reward": ret, "discount": discount, "next_obs": steps["next_obs"][last, rows],
                         "next_base": steps["next_base"][last, rows]})
             window.pop(0)
-        if bool(info["_episode"].any()):
-            ended = info["_episode"]
-            returns += info["episode"]["return"][ended].tolist()
-            successes += info["episode"]["success_once"][ended].tolist()
         obs, base = next_obs, next_base
-        env_steps += num_envs
-        bar.update(num_envs)
+        loop.advance(num_envs, info)
 
         if phase != WARMUP and replay.size > 0:
-            pending_updates += utd * num_envs
+            pending_updates += algo.utd_ratio * num_envs
             while pending_updates >= 1:
                 pending_updates -= 1
-                online = replay.sample(batch_size - demo_batch)
+                batch = replay.sample(algo.batch_size - demo_batch)
                 if demo_batch:
                     idx = torch.randint(0, len(demos["obs"]), (demo_batch,), generator=demo_generator)
-                    online = {k: torch.cat([online[k], demos[k][idx.to(device)]]) for k in FIELDS}
-                stats = learner.update(online, update_actor=phase == FULL)
+                    batch = {k: torch.cat([batch[k], demos[k][idx.to(device)]]) for k in FIELDS}
+                stats = learner.update(batch, update_actor=phase == FULL)
+                for key in ("train/critic_loss", "train/actor_loss"):  # divergence stops the run
+                    if key in stats:
+                        loop.check_finite(key, stats[key], stats)
 
-        if env_steps >= next_log:
-            metrics = dict(stats)
-            metrics["train/phase"] = {WARMUP: 0, CRITIC: 1, FULL: 2}[phase]
-            if returns:
-                metrics["rollout/return"] = float(np.mean(returns))
-                metrics["rollout/success_rate"] = float(np.mean(successes))
-                returns, successes = [], []
-            run.log(env_steps, metrics)
-            next_log = env_steps + log_every
-        if env_steps < int(cfg.env_steps) and evaluator.due(env_steps):
-            evaluator.maybe_evaluate(env_steps, make_agent)
-            save(env_steps)
-    bar.close()
-    save(env_steps)
-    info = evaluator.last_info
-    if evaluator.every > 0 and evaluator.last_step != env_steps:
-        info = evaluator.maybe_evaluate(env_steps, make_agent, force=True)
-    evaluator.close()
-    run.log(env_steps, {"train/wall_s": evaluator.clock()["wall_s"]})
-    return headline_from_eval(info, env_steps, run)
+        loop.log({**stats, "train/phase": {WARMUP: 0, CRITIC: 1, FULL: 2}[phase]})
+        loop.boundary(loop_state)
+    return loop.finish(loop_state())

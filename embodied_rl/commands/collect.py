@@ -22,7 +22,11 @@ from embodied_rl.errors import UserError
 from embodied_rl.runs import progress
 
 
-def validate(cfg: DictConfig) -> None:
+def validate(cfg: DictConfig) -> dict[str, Any]:
+    """Check the config before any work; return the task's options (envs.task_overrides)."""
+    from embodied_rl.envs import task_overrides
+
+    task_options = task_overrides(cfg.task)  # first: a contradicting task key names itself
     if cfg.task.get("expert") is False:
         raise UserError(f"task '{cfg.task.name}' has no scripted expert, so collect cannot make demos for it")
     # demos and quality default to the task's (configs/task/<task>.yaml)
@@ -40,6 +44,7 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"max_episodes ({cfg.max_episodes}) must be >= demos ({cfg.demos})")
     if cfg.out is not None and Path(cfg.out).exists():
         raise UserError(f"out '{cfg.out}' already exists; choose a new path (nothing was overwritten)")
+    return task_options
 
 
 def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_success: bool,
@@ -86,15 +91,17 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     from embodied_rl.data import write_demos
     from embodied_rl.envs import make, make_expert
 
-    validate(cfg)
-    run = start_run(cfg, "collect")
-    out = Path(cfg.out) if cfg.out is not None else run.file("demos.zarr")
+    task_options = validate(cfg)
     started = time.perf_counter()
+    # the env first: a task or backend it refuses leaves no run directory behind
     env = make(
         cfg.task.name, num_envs=cfg.num_envs, backend=cfg.backend, device=cfg.device, seed=cfg.seed,
         obs_mode="pixels" if cfg.pixels else "state", image_size=cfg.image_size,
+        task_options=task_options,
     )
     try:
+        run = start_run(cfg, "collect")
+        out = Path(cfg.out) if cfg.out is not None else run.file("demos.zarr")
         generator = torch.Generator().manual_seed(int(cfg.seed) + 1)
         expert = make_expert(cfg.task.name, env, quality=float(cfg.quality), generator=generator)
         max_episodes = cfg.max_episodes if cfg.max_episodes is not None else 20 * cfg.demos

@@ -107,9 +107,11 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     options: dict[str, Any] = {"obs_mode": getattr(policy, "obs_mode", "state")}
     if options["obs_mode"] == "pixels":  # the env renders what the policy was trained on
         options["image_size"] = int(policy.config["image_shape"][0])
+    # task= given: its config's overrides (task.max_episode_steps=N, ...); else the task as it is
+    task_options = envs.task_overrides(cfg.task) if OmegaConf.select(cfg, "task.name") else {}
     env = envs.make(
         task, num_envs=num_envs, backend=cfg.backend, device=cfg.device, seed=int(cfg.seed),
-        render_size=int(cfg.video_size), **options,
+        render_size=int(cfg.video_size), task_options=task_options, **options,
     )
     if finetuned:
         agent = load_agent(checkpoint, num_envs, str(cfg.device))

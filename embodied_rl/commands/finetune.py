@@ -25,7 +25,8 @@ ALGOS: dict[str, str] = {
     "dsrl_ppo": "embodied_rl.algos.ppo",
     "dsrl": "embodied_rl.algos.dsrl",
     "dsrl_na": "embodied_rl.algos.dsrl",
-    "residual_sac": "embodied_rl.algos.sac",
+    "residual_offpolicy": "embodied_rl.algos.sac",
+    "residual_sac": "embodied_rl.algos.sac",  # the former name of residual_offpolicy, kept as an alias
 }
 
 
@@ -42,9 +43,10 @@ def validate(cfg: DictConfig) -> Path:
             raise UserError(f"{key} must be >= 1, got {cfg[key]}")
     if int(cfg.eval_every) < 0:
         raise UserError(f"eval_every must be >= 0, got {cfg.eval_every}")
-    group_size = int(cfg.algo.get("group_size", 0) or 0)
-    if group_size > 1 and int(cfg.num_envs) % group_size:
-        raise UserError(f"num_envs={cfg.num_envs} must be a multiple of algo.group_size={group_size}")
+    for key in ("checkpoint_every", "log_every"):
+        if int(cfg[key]) < 0:
+            raise UserError(f"{key} must be >= 0, got {cfg[key]}")
+    importlib.import_module(ALGOS[cfg.algo.name]).validate_config(cfg)  # the algo's own keys
     if not 0 <= int(cfg.videos) <= int(cfg.eval_episodes):
         raise UserError(f"videos must be in [0, eval_episodes={cfg.eval_episodes}], got {cfg.videos}")
     return resolve_checkpoint(Path(str(cfg.checkpoint)).expanduser())
@@ -60,21 +62,43 @@ def load_base_policy(path: Path, device: str):
     return load_policy(path, device=device)
 
 
+# Keys a resumed run may change: how long it runs and what it records, not what it trains.
+RESUME_MAY_CHANGE = ("env_steps", "eval_every", "eval_episodes", "videos", "checkpoint_every", "log_every",
+                     "save_replay", "run_dir")
+
+
+def _flat_items(cfg: DictConfig) -> dict[str, Any]:
+    def walk(node: Any, prefix: str) -> dict[str, Any]:
+        if isinstance(node, dict):
+            out: dict[str, Any] = {}
+            for key, value in node.items():
+                out.update(walk(value, f"{prefix}{key}."))
+            return out
+        return {prefix[:-1]: node}
+
+    return walk(OmegaConf.to_container(cfg, resolve=True), "")
+
+
 def check_previous_run(cfg: DictConfig) -> None:
-    """A non-empty run_dir must be an earlier finetune run of the same task and algo."""
+    """A non-empty run_dir must be an earlier finetune run with the same settings, except the
+    keys in RESUME_MAY_CHANGE (e.g. a larger env_steps continues training); config.yaml is then
+    rewritten, so it always tells what ran."""
     if not cfg.get("run_dir"):
         return
     path = Path(str(cfg.run_dir))
-    if not path.is_dir() or not any(path.iterdir()):
+    if not path.is_dir() or not any(p.name != ".lock" for p in path.iterdir()):
         return
     previous = path / "config.yaml"
     if not previous.is_file():
         raise UserError(f"run_dir '{path}' holds files but no finetune run; choose a new run_dir (nothing was overwritten)")
-    old = OmegaConf.load(previous)
-    for key in ("task.name", "algo.name", "checkpoint"):
-        before, now = OmegaConf.select(old, key), OmegaConf.select(cfg, key)
-        if before != now:
-            raise UserError(f"run_dir '{path}' holds a run with {key}={before}, not {now}; choose a new run_dir")
+    before, now = _flat_items(OmegaConf.load(previous)), _flat_items(cfg)
+    changed = sorted(key for key in before.keys() | now.keys()
+                     if before.get(key) != now.get(key) and key not in RESUME_MAY_CHANGE)
+    if changed:
+        shown = ", ".join(f"{key}={before.get(key)} -> {now.get(key)}" for key in changed[:3])
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        raise UserError(f"run_dir '{path}' holds a run with other settings ({shown}{more}); resume it with "
+                        f"the same settings (only {', '.join(RESUME_MAY_CHANGE[:-1])} may change) or choose a new run_dir")
 
 
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
@@ -89,12 +113,14 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
 
     module = importlib.import_module(ALGOS[cfg.algo.name])
     env = envs.make(cfg.task.name, num_envs=int(cfg.num_envs), backend=cfg.backend,
-                    device=cfg.device, seed=int(cfg.seed))
+                    device=cfg.device, seed=int(cfg.seed), task_options=envs.task_overrides(cfg.task))
     if env.action_dim != policy.action_dim:
         raise UserError(f"checkpoint '{checkpoint}' acts in {policy.action_dim} dims, task {cfg.task.name} in {env.action_dim}")
     check_previous_run(cfg)
     run = start_run(cfg, "finetune", allow_existing=True)
-    run.resumed = run.file("checkpoints", "last", "training_state").is_dir()
+    from embodied_rl.algos.common import find_checkpoint
+
+    run.resumed = find_checkpoint(run.file("checkpoints")) is not None
     if run.resumed:
         print(f"resuming from {run.file('checkpoints', 'last')}")
     try:

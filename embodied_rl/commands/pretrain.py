@@ -103,8 +103,10 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     from embodied_rl.algos.bc import BCConfig, save_checkpoint, train_bc
     from embodied_rl.commands import start_run
     from embodied_rl.data import ChunkWindows, DemoDataset
+    from embodied_rl.envs import task_overrides
 
     task = OmegaConf.select(cfg, "task.name", default=None)
+    task_options = task_overrides(cfg.task)  # for the evaluation env
     dataset = DemoDataset.load(Path(str(cfg.data)).expanduser(), max_episodes=cfg.max_demos)
     data_task = dataset.attrs.get("task")
     if task and data_task and data_task != task:
@@ -141,7 +143,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
             if obs_mode == "pixels":
                 options["image_size"] = int(dataset.pixels.shape[1])
             env = envs.make(task, num_envs=num_envs, backend=cfg.backend, device=cfg.device,
-                            seed=int(cfg.seed), **options)
+                            seed=int(cfg.seed), task_options=task_options, **options)
         last = step == steps
         videos = cfg.videos if last else 0
         info = evaluate(env, PolicyRunner(ema_policy, num_envs, seed=int(cfg.seed)),

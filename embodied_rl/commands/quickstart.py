@@ -54,6 +54,9 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     root = run.path
     task = cfg.task.name
     sim = [f"task={task}", f"seed={cfg.seed}", f"backend={cfg.backend}", f"device={cfg.device}"]
+    # the task's keys as quickstart got them (task.max_episode_steps=N, ...) reach every stage
+    sim += [f"task.{key}={str(value).lower() if isinstance(value, bool) else value}"
+            for key, value in cfg.task.items() if key != "name"]
     started = time.perf_counter()
 
     collect_dir = run_stage("collect", "embodied_rl.commands.collect", [*sim, f"demos={cfg.demos}"],
@@ -105,9 +108,9 @@ def write_quickstart_report(root: Path, task: str, cfg: DictConfig, before: dict
         video_links,
         write_report,
     )
-    from embodied_rl.runs import Run
+    from embodied_rl.runs import read_metrics
 
-    rows = Run(finetune_dir, allow_existing=True).read_metrics()
+    rows = read_metrics(finetune_dir)
     has_success = before["overall"].get("success_rate") is not None
     y_key = "eval/success_rate" if has_success else "eval/return"
     curve = plot_curve(rows, "step", [y_key], root / "plots" / "learning_curve.png",

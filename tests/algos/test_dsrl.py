@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from embodied_rl import envs
 from embodied_rl.actors.latent_noise import LatentNoiseVecEnv, LayerNormSACPolicy, NoiseActorAgent
@@ -43,13 +42,15 @@ class CountingPolicy:
 
 
 def algo_cfg(name: str = "dsrl", **overrides):
-    cfg = dict(
-        name=name, noise_bound=1.5, lr=1e-3, buffer_size=10_000, batch_size=32, tau=0.01, gamma=0.99,
-        utd_ratio=0.5, ent_coef="auto", target_entropy="auto", hidden_sizes=[16, 16], n_critics=2,
-        action_critics=2, warmup_env_steps=0, critic_only_steps=0,
-    )
-    cfg.update(overrides)
-    return OmegaConf.create(cfg)
+    """The shipped dsrl / dsrl_na config at a tiny size, with `overrides`."""
+    from embodied_rl.algos.dsrl import DSRLConfig
+    from embodied_rl.cli import compose
+
+    values = dict(lr=1e-3, buffer_size=10_000, batch_size=32, tau=0.01, utd_ratio=0.5, ent_coef="auto",
+                  target_entropy="auto", hidden_sizes="[16,16]", warmup_env_steps=0, critic_only_steps=0)
+    values.update(overrides)
+    cfg = compose("finetune", [f"algo={name}", *(f"algo.{key}={value}" for key, value in values.items())])
+    return DSRLConfig.from_cfg(cfg.algo)
 
 
 def make_vec_env(policy, num_envs: int = 4, noise_bound: float = 1.5):

@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from embodied_rl import envs
 from embodied_rl.actors.residual_offpolicy import (
@@ -16,7 +15,15 @@ from embodied_rl.actors.residual_offpolicy import (
     ResidualAgent,
     load_agent,
 )
-from embodied_rl.algos.sac import demo_transitions, finetune, nstep_returns, random_pair_min
+from embodied_rl.algos.sac import (
+    ResidualOffPolicyConfig,
+    ResidualSAC,
+    demo_transitions,
+    finetune,
+    nstep_returns,
+    random_pair_min,
+)
+from embodied_rl.cli import compose
 from embodied_rl.data.dataset import DemoDataset, write_demos
 from embodied_rl.runs import Run
 from tests.algos.test_dsrl import CountingPolicy, tiny_policy
@@ -138,18 +145,17 @@ def test_demo_transitions_sparse_reward(tmp_path):
 
 
 def sac_cfg(tmp_path, **algo_overrides):
+    """The shipped residual_offpolicy config at a tiny size, with `algo_overrides`."""
     algo = dict(
-        name="residual_sac", actor="sac", residual_scale=0.2, actor_hidden_sizes=[16, 16], critic_hidden_sizes=[16, 16],
-        ensemble=4, n_step=3, gamma=0.99, tau=0.01, actor_lr=1e-3, critic_lr=1e-3, batch_size=32,
-        buffer_size=10_000, utd_ratio=0.25, demo_fraction=0.0, data=None, init_alpha=0.01,
-        target_entropy="auto", exploration_noise=0.1, target_noise=0.2, policy_delay=2,
-        warmup_env_steps=40, critic_only_steps=40, normalize_obs=True,
+        residual_scale=0.2, actor_hidden_sizes=[16, 16], critic_hidden_sizes=[16, 16], ensemble=4, tau=0.01,
+        actor_lr=1e-3, critic_lr=1e-3, batch_size=32, buffer_size=10_000, exploration_noise=0.1, target_noise=0.2,
+        warmup_env_steps=40, critic_only_steps=40, learner="sac",
     )
     algo.update(algo_overrides)
-    return OmegaConf.create(dict(
-        algo=algo, env_steps=200, num_envs=4, eval_every=100, eval_episodes=4, videos=0, seed=0, device="cpu",
-        backend="mujoco", task={"name": "reach"}, checkpoint=None, run_dir=str(tmp_path / "run"),
-    ))
+    overrides = ["algo=residual_offpolicy", "task=reach", "env_steps=200", "num_envs=4", "eval_every=100",
+                 "eval_episodes=4", "videos=0", "checkpoint_every=100", "log_every=40", f"run_dir={tmp_path / 'run'}"]
+    overrides += [f"algo.{key}={json.dumps(value) if isinstance(value, list) else value}" for key, value in algo.items()]
+    return compose("finetune", overrides)
 
 
 def run_finetune(cfg):
@@ -169,7 +175,7 @@ def last_layer(path):
 
 @pytest.mark.parametrize("actor", ["sac", "td3"])
 def test_finetune_end_to_end_with_demos(tmp_path, actor):
-    cfg = sac_cfg(tmp_path, actor=actor, demo_fraction=0.5, data=str(make_demos(tmp_path / "demos")),
+    cfg = sac_cfg(tmp_path, learner=actor, demo_fraction=0.5, data=str(make_demos(tmp_path / "demos")),
                   warmup_env_steps=40, critic_only_steps=40)
     headline, run = run_finetune(cfg)
     assert headline["env_steps"] == 200 and 0.0 <= headline["success_rate"] <= 1.0
@@ -208,12 +214,11 @@ def test_resume_continues_from_last_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("actor", ["sac", "td3"])
 def test_residual_penalty_keeps_the_residual_small(tmp_path, actor):
-    from embodied_rl.algos.sac import ResidualSAC
 
     def mean_residual(penalty: float) -> float:
         torch.manual_seed(0)
-        algo = sac_cfg(tmp_path, actor=actor, residual_penalty=penalty, policy_delay=1).algo
-        learner = ResidualSAC(algo, obs_dim=8, action_dim=2, device=torch.device("cpu"), seed=0)
+        algo = sac_cfg(tmp_path, learner=actor, residual_penalty=penalty, policy_delay=1).algo
+        learner = ResidualSAC(ResidualOffPolicyConfig.from_cfg(algo), obs_dim=8, action_dim=2, device=torch.device("cpu"), seed=0)
         gen = torch.Generator().manual_seed(0)
         batch = {"obs": torch.randn(32, 8, generator=gen), "base": torch.rand(32, 2, generator=gen) - 0.5,
                  "action": torch.rand(32, 2, generator=gen) - 0.5, "reward": torch.rand(32, generator=gen),

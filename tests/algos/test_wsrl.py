@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from embodied_rl.algos.dsrl import make_dsrl
 from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart
@@ -19,7 +18,6 @@ def test_phases_in_order():
     assert not stages.updates_critic(99) and stages.updates_critic(100)
     assert not stages.updates_actor(149) and stages.updates_actor(150)
     assert WarmStart(0, 0).phase(0) == FULL
-    assert WarmStart.from_config(OmegaConf.create({"warmup_env_steps": 3})).critic_only_steps == 0
 
 
 def test_negative_lengths_are_user_errors():
