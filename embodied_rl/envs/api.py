@@ -198,6 +198,18 @@ class BatchedEnv:
     def render(self, env_ids: Tensor | None = None) -> Tensor:
         raise NotImplementedError
 
+    def get_state(self) -> dict[str, Tensor]:
+        """A snapshot of everything `step` continues from, as a flat dict of tensors (safe for
+        torch.save and torch.load(weights_only=True)); `set_state` on an env made with the same
+        arguments continues bit for bit as if never stopped."""
+        raise UserError(f"the {type(self).__name__} backend cannot snapshot its envs (get_state); "
+                        "exact resume needs a MuJoCo backend")
+
+    def set_state(self, state: dict[str, Tensor]) -> None:
+        """Restore a snapshot taken with `get_state`."""
+        raise UserError(f"the {type(self).__name__} backend cannot snapshot its envs (set_state); "
+                        "exact resume needs a MuJoCo backend")
+
     def close(self) -> None:
         pass
 
@@ -292,11 +304,15 @@ class SimBatchedEnv(BatchedEnv):
     `SimBatchedEnv.__init__` with the model, and implement:
       state -> SimState                     views of the batched buffers (on self.sim_device)
       _write_state(env_ids, qpos, qvel)     set the state of those envs, zero ctrl and
-                                            time, and recompute derived quantities (sensordata)
+                                            time, and recompute derived quantities (sensordata);
+                                            return bool[k], True where the simulator refused the
+                                            state and reset the env itself (or None)
       _step_physics(ctrl) -> bool[N]        write ctrl and advance every env by
                                             task.control_substeps; return envs with simulator
                                             warnings (e.g. mjWARN_BADQACC)
       _render_frames(env_ids, size) -> uint8 [k, size, size, 3] from task.camera
+      _get_sim_state() -> dict[str, Tensor]  everything the next physics step reads, per env
+      _set_sim_state(state)                  write it back (the envs continue bit for bit)
     and may override `_state_is_finite() -> bool[N]` (default: three torch checks over `state`)
     with one cheaper call over their own buffers.
 
@@ -304,6 +320,9 @@ class SimBatchedEnv(BatchedEnv):
     is reset in the same step and counted in `unstable_resets`; that step returns reward 0,
     terminated False, truncated True, info["unstable"] True, and as final_obs the last finite
     observation (the one before the step), so a bootstrap stays finite. The other envs go on.
+    A state that is broken when it is written (a reset, an initial state the simulator refuses
+    or that is not finite) is put back to the model's reference pose at rest, so the observation
+    stays finite, and the env's next step counts as unstable in the same way.
     """
 
     sim_device: torch.device = torch.device("cpu")
@@ -339,6 +358,8 @@ class SimBatchedEnv(BatchedEnv):
         self.generator.manual_seed(int(seed))
         self.unstable_resets = 0
         self.elapsed = torch.zeros(num_envs, dtype=torch.long, device=self.device)
+        # envs whose written state was broken: their next step is reported unstable
+        self._unstable_pending = torch.zeros(num_envs, dtype=torch.bool, device=self.device)
         self.stats = EpisodeStats(self.num_envs, self.device)
         self._obs: Obs | None = None
 
@@ -363,6 +384,12 @@ class SimBatchedEnv(BatchedEnv):
 
     def _render_frames(self, env_ids: Tensor, size: int) -> Tensor:
         raise NotImplementedError
+
+    def _get_sim_state(self) -> dict[str, Tensor]:
+        raise UserError(f"the {type(self).__name__} backend cannot snapshot its simulator state")
+
+    def _set_sim_state(self, state: dict[str, Tensor]) -> None:
+        raise UserError(f"the {type(self).__name__} backend cannot snapshot its simulator state")
 
     def _state_is_finite(self) -> Tensor:
         """bool[N] on sim_device: qpos, qvel and sensordata all finite (a backend may override
@@ -394,8 +421,19 @@ class SimBatchedEnv(BatchedEnv):
             qvel = qvel.repeat_interleave(group_size, dim=0)
         else:
             qpos, qvel = self.task.sample_init(n, self.generator, self.sim_device)
-        self._write_state(env_ids.to(self.sim_device), qpos, qvel)
+        sim_ids = env_ids.to(self.sim_device)
+        refused = self._write_state(sim_ids, qpos, qvel)
+        broken = torch.zeros(n, dtype=torch.bool) if refused is None else refused.cpu()
+        not_finite = ~self._state_is_finite()[sim_ids].cpu()
+        if bool(not_finite.any()):
+            # what MuJoCo does with a state it refuses: the reference pose, at rest
+            bad = sim_ids[not_finite.to(self.sim_device)]
+            qpos0 = torch.as_tensor(self.model.qpos0, dtype=torch.float32, device=self.sim_device)
+            qvel0 = torch.zeros(len(bad), self.model.nv, device=self.sim_device)
+            self._write_state(bad, qpos0.expand(len(bad), -1), qvel0)
+            broken |= not_finite
         ids = env_ids.to(self.device)
+        self._unstable_pending[ids] = broken.to(self.device)
         self.elapsed[ids] = 0
         self.stats.clear(ids)
 
@@ -426,8 +464,12 @@ class SimBatchedEnv(BatchedEnv):
             raise RuntimeError("call reset() before step()")
         action = self.check_action(action)
         sim_action = action.to(self.sim_device)
+        # envs written broken since the last step count as unstable now (their resets below
+        # may mark them again)
+        pending = self._unstable_pending
+        self._unstable_pending = torch.zeros_like(pending)
         unstable = self._step_physics(self.task.action_to_ctrl(sim_action))
-        unstable = (unstable | ~self._state_is_finite()).to(self.device)
+        unstable = (unstable | ~self._state_is_finite()).to(self.device) | pending
         reward, success, failure = self.task.evaluate(self.state, sim_action)
         reward = reward.to(device=self.device, dtype=torch.float32)
         success, failure = success.to(self.device), failure.to(self.device)
@@ -464,6 +506,54 @@ class SimBatchedEnv(BatchedEnv):
     def render(self, env_ids: Tensor | None = None) -> Tensor:
         """Frames of task.camera, uint8 [k, render_size, render_size, 3]."""
         return self._render_frames(self._env_ids(env_ids), self.render_size).to(self.device)
+
+    def get_state(self) -> dict[str, Tensor]:
+        """Everything `step` continues from, as CPU tensors: the simulator's state per env
+        ("sim/..."), the step counters, episode statistics, the generator, the unstable count,
+        the pending unstable flags and the last observation ("obs" or "obs/<key>")."""
+        if self._obs is None:
+            raise RuntimeError("call reset() before get_state()")
+        state = {f"sim/{key}": value.detach().cpu().clone() for key, value in self._get_sim_state().items()}
+        state.update({
+            "elapsed": self.elapsed.cpu().clone(),
+            "episode/return": self.stats.returns.cpu().clone(),
+            "episode/length": self.stats.lengths.cpu().clone(),
+            "episode/success_once": self.stats.success_once.cpu().clone(),
+            "generator": self.generator.get_state(),
+            "unstable_resets": torch.tensor(self.unstable_resets),
+            "unstable_pending": self._unstable_pending.cpu().clone(),
+        })
+        if isinstance(self._obs, dict):
+            state.update({f"obs/{key}": value.cpu().clone() for key, value in self._obs.items()})
+        else:
+            state["obs"] = self._obs.cpu().clone()
+        return state
+
+    def set_state(self, state: dict[str, Tensor]) -> None:
+        """Restore a `get_state` snapshot of an env made with the same task, num_envs and
+        obs_mode (a mismatch is a UserError naming the part)."""
+        obs_keys = [f"obs/{key}" for key in self.single_observation_space.spaces] \
+            if self.obs_mode == "pixels" else ["obs"]
+        required = ["elapsed", "episode/return", "episode/length", "episode/success_once", "generator",
+                    "unstable_resets", "unstable_pending", *obs_keys]
+        missing = [key for key in required if key not in state]
+        if missing:
+            raise UserError(f"env state is missing '{missing[0]}'")
+        if tuple(state["elapsed"].shape) != (self.num_envs,):
+            raise UserError(f"env state holds {tuple(state['elapsed'].shape)[0]} envs, this env has {self.num_envs}")
+        self._set_sim_state({key[4:]: value for key, value in state.items() if key.startswith("sim/")})
+        device = self.device
+        self.elapsed = state["elapsed"].to(device, torch.long).clone()
+        self.stats.returns = state["episode/return"].to(device).clone()
+        self.stats.lengths = state["episode/length"].to(device).clone()
+        self.stats.success_once = state["episode/success_once"].to(device).clone()
+        self.generator.set_state(state["generator"].cpu())
+        self.unstable_resets = int(state["unstable_resets"])
+        self._unstable_pending = state["unstable_pending"].to(device).clone()
+        if self.obs_mode == "pixels":
+            self._obs = {key[4:]: state[key].to(device).clone() for key in obs_keys}
+        else:
+            self._obs = state["obs"].to(device).clone()
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from embodied_rl.envs import make
+from embodied_rl.envs.backends.mujoco_cpu import MujocoCpuEnv
+from embodied_rl.envs.tasks.reach import ReachTask
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 
@@ -59,6 +61,34 @@ def test_unstable_env_is_reset_and_counted(poison):
     assert env.elapsed.tolist() == [4, 0, 4]  # the others go on
     obs, _, _, _, info = env.step(torch.zeros(3, 2))
     assert not info["unstable"].any() and env.unstable_resets == 1
+
+
+class PoisonedReach(ReachTask):
+    """reach whose first initial states are broken: env 0 a huge qvel, env 1 a NaN qpos (MuJoCo
+    resets such a state itself when it is written, so nothing non-finite is left to see)."""
+
+    calls = 0
+
+    def sample_init(self, n, generator, device):
+        qpos, qvel = super().sample_init(n, generator, device)
+        self.calls += 1
+        if self.calls == 1:
+            qvel[0, 0] = 1e12
+            qpos[1, 0] = float("nan")
+        return qpos, qvel
+
+
+def test_a_state_broken_at_reset_is_unstable_on_the_first_step():
+    env = MujocoCpuEnv(PoisonedReach(), num_envs=3, threads=1)
+    obs, _ = env.reset(seed=0)
+    assert torch.isfinite(obs).all()  # MuJoCo put the broken envs back to the model's qpos0
+    obs, reward, terminated, truncated, info = env.step(torch.zeros(3, 2))
+    assert info["unstable"].tolist() == [True, True, False]
+    assert reward[:2].tolist() == [0.0, 0.0] and truncated.tolist() == [True, True, False]
+    assert not terminated.any() and env.unstable_resets == 2
+    assert env.elapsed.tolist() == [0, 0, 1]  # reset again, from a good state this time
+    _, _, _, _, info = env.step(torch.zeros(3, 2))
+    assert not info["unstable"].any() and env.unstable_resets == 2
 
 
 def test_render_and_pixel_observations():

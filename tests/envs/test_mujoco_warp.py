@@ -107,6 +107,24 @@ def test_non_finite_state_resets_that_env_only():
     assert reward[1] == 0
 
 
+def test_a_non_finite_initial_state_is_unstable_on_the_first_step():
+    from embodied_rl.envs.backends.mujoco_warp import MujocoWarpEnv
+    from embodied_rl.envs.tasks.reach import ReachTask
+
+    class NanReach(ReachTask):
+        def sample_init(self, n, generator, device):
+            qpos, qvel = super().sample_init(n, generator, device)
+            qpos[0, 0] = math.nan  # the first reset env of every reset
+            return qpos, qvel
+
+    env = MujocoWarpEnv(NanReach(), num_envs=2, device="cpu")
+    obs, _ = env.reset(seed=0)
+    assert torch.isfinite(obs).all()  # put back to the reference pose, at rest
+    _, reward, terminated, truncated, info = env.step(torch.zeros(2, 2))
+    assert info["unstable"].tolist() == [True, False] and env.unstable_resets == 1
+    assert reward[0] == 0 and truncated.tolist() == [True, False] and not terminated.any()
+
+
 def test_render_matches_the_cpu_backend_and_options_are_checked():
     warp_env, cpu_env = _pair("reach", 2, seed=3)
     warp_env.reset(seed=3)

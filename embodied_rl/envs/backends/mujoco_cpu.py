@@ -18,7 +18,15 @@ MuJoCo cannot split an RK4 step (mj_step2 falls back to Euler), so RK4 models (h
 Instability: on a bad qpos/qvel/qacc MuJoCo resets the data itself, which puts `time` back to 0,
 so an env whose clock did not advance by `substeps` timesteps is reported unstable (one numpy
 comparison instead of reading warning counters per env); non-finite state is caught by one
-numpy reduction over the batched buffers.
+numpy reduction over the batched buffers. The clock cannot tell on the first step after a write
+(it starts from 0 either way), so there MuJoCo's warning counters are read, for those envs only;
+a written state runs MuJoCo's own checks (mj_checkPos/Vel/Acc, as mj_step does), and one it
+refuses is reported to SimBatchedEnv, which counts the env unstable on its next step.
+
+Snapshots (`get_state`): mj_getState(mjSTATE_INTEGRATION) per env (time, qpos, qvel, act,
+warmstart, ctrl, applied forces, mocap, ...) plus the batched buffers as they are (sensordata of
+acceleration sensors is only refreshed by the next step); restoring runs mj_step1, which
+recomputes what the last control step's mj_step1 left for the next mj_step2.
 
 `mujoco.rollout` was measured as the alternative (benchmarks/mujoco_cpu_steps.py): it needs no
 GIL at all, but zeroes the solver warmstart at every call, stops an env's rollout at any
@@ -39,6 +47,7 @@ from torch import Tensor
 
 from embodied_rl.envs.api import SimBatchedEnv, SimState, Task
 from embodied_rl.envs.render import make_renderer, render_datas
+from embodied_rl.errors import UserError
 
 
 def default_threads(num_envs: int) -> int:
@@ -77,6 +86,9 @@ class MujocoCpuEnv(SimBatchedEnv):
         self._sensordata = self._buffer[:, nq + nv :]
         self._ctrl = np.zeros((n, model.nu))
         self._time = np.zeros(n)  # data.time after the last step (or 0 after a reset)
+        self._bad_warnings = [int(w) for w in (mujoco.mjtWarning.mjWARN_BADQPOS,
+                                               mujoco.mjtWarning.mjWARN_BADQVEL,
+                                               mujoco.mjtWarning.mjWARN_BADQACC)]
         self._all_finite = torch.ones(n, dtype=torch.bool)
         self._state = SimState(
             qpos=torch.from_numpy(self._qpos),
@@ -106,20 +118,31 @@ class MujocoCpuEnv(SimBatchedEnv):
     def state(self) -> SimState:
         return self._state
 
-    def _write_state(self, env_ids: Tensor, qpos: Tensor, qvel: Tensor) -> None:
-        mujoco = self._mujoco
+    def _refused(self, data: Any) -> bool:
+        """Whether MuJoCo reset `data` for a bad qpos, qvel or qacc since its last mj_resetData."""
+        return bool(data.warning.number[self._bad_warnings].any())
+
+    def _write_state(self, env_ids: Tensor, qpos: Tensor, qvel: Tensor) -> Tensor:
+        mujoco, model = self._mujoco, self.model
         qpos = qpos.detach().cpu().double().numpy()
         qvel = qvel.detach().cpu().double().numpy()
+        refused = torch.zeros(len(env_ids), dtype=torch.bool)
         for row, i in enumerate(env_ids.tolist()):
             data, _, _, copies = self._env_views[i]
-            mujoco.mj_resetData(self.model, data)  # zero ctrl, time, warmstart, warnings
+            mujoco.mj_resetData(model, data)  # zero ctrl, time, warmstart, warnings
             data.qpos[:] = qpos[row]
             data.qvel[:] = qvel[row]
-            mujoco.mj_forward(self.model, data)
+            # mj_step's own checks: a bad state is reset to the reference pose, with a warning
+            mujoco.mj_checkPos(model, data)
+            mujoco.mj_checkVel(model, data)
+            mujoco.mj_forward(model, data)
+            mujoco.mj_checkAcc(model, data)
+            refused[row] = self._refused(data)
             for source, destination in copies:
                 destination[:] = source
             self._ctrl[i] = 0.0
             self._time[i] = 0.0
+        return refused
 
     def _step_envs(self, env_ids: Iterator[int]) -> None:
         """Advance envs by one control step, taking env indices from a shared iterator until it
@@ -155,7 +178,46 @@ class MujocoCpuEnv(SimBatchedEnv):
         # itself (mj_resetData), which sets time back to 0: an env whose clock did not advance by
         # `substeps` timesteps went unstable. Cheaper than reading the warning counters per env.
         expected = time_before + (self.substeps - 0.5) * self.model.opt.timestep
-        return torch.from_numpy(self._time < expected)
+        unstable = self._time < expected
+        # An env written since its last step starts from time 0, so a reset inside its first
+        # substep leaves the clock where a good step would: its warning counters tell.
+        for i in np.flatnonzero(time_before == 0.0):
+            unstable[i] |= self._refused(self.datas[i])
+        return torch.from_numpy(unstable)
+
+    def _get_sim_state(self) -> dict[str, Tensor]:
+        mujoco, model = self._mujoco, self.model
+        spec = mujoco.mjtState.mjSTATE_INTEGRATION
+        integration = np.empty((self.num_envs, mujoco.mj_stateSize(model, spec)))
+        for i, data in enumerate(self.datas):
+            mujoco.mj_getState(model, data, integration[i], spec)
+        # the buffers as the tasks see them, and the warning counters the next step may read
+        warnings = np.stack([data.warning.number for data in self.datas])
+        return {"integration": torch.from_numpy(integration), "buffer": torch.from_numpy(self._buffer.copy()),
+                "warnings": torch.from_numpy(warnings.copy())}
+
+    def _set_sim_state(self, state: dict[str, Tensor]) -> None:
+        mujoco, model = self._mujoco, self.model
+        spec = mujoco.mjtState.mjSTATE_INTEGRATION
+        expected = {"integration": (self.num_envs, mujoco.mj_stateSize(model, spec)),
+                    "buffer": self._buffer.shape, "warnings": (self.num_envs, len(self.datas[0].warning))}
+        for key, shape in expected.items():
+            if key not in state:
+                raise UserError(f"env state is missing 'sim/{key}'")
+            if tuple(state[key].shape) != tuple(shape):
+                raise UserError(f"env state 'sim/{key}' has shape {tuple(state[key].shape)}, "
+                                f"this env needs {tuple(shape)} (another task or num_envs?)")
+        integration = state["integration"].double().numpy()
+        warnings = state["warnings"].numpy()
+        for i, data in enumerate(self.datas):
+            mujoco.mj_resetData(model, data)
+            mujoco.mj_setState(model, data, integration[i], spec)
+            # what the last control step's mj_step1 computed, for the next mj_step2
+            mujoco.mj_step1(model, data)
+            data.warning.number[:] = warnings[i]
+            self._time[i] = data.time
+            self._ctrl[i] = data.ctrl
+        self._buffer[:] = state["buffer"].double().numpy()
 
     def _state_is_finite(self) -> Tensor:
         if np.isfinite(self._buffer.sum()):  # the usual case, in one reduction

@@ -14,6 +14,10 @@ per model on the CPU; cached under ~/.cache/warp afterwards).
 Rendering copies the requested envs' qpos/qvel into one CPU MjData and draws it with the CPU
 backend's renderer. Physics that goes non-finite is reset by SimBatchedEnv, as on the CPU backend;
 MuJoCo Warp raises no per-world warnings, so NaN/inf rows are the only instability signal.
+
+Snapshots (`get_state`) copy SNAPSHOT_FIELDS, MuJoCo's integration state plus sensordata (whose
+acceleration sensors only the next step refreshes); restoring writes them back and runs forward
+for the derived quantities the next step reads.
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ from torch import Tensor
 from embodied_rl.envs.api import SimBatchedEnv, SimState, Task
 from embodied_rl.envs.backends.mujoco_cpu import MujocoCpuEnv
 from embodied_rl.errors import UserError
+
+# What a step reads that earlier steps left behind: mjSTATE_INTEGRATION's arrays, and sensordata.
+SNAPSHOT_FIELDS = ("time", "qpos", "qvel", "act", "history", "plastic", "qacc_warmstart", "ctrl",
+                   "qfrc_applied", "xfrc_applied", "eq_active", "mocap_pos", "mocap_quat", "userdata",
+                   "sensordata")
 
 
 class MujocoWarpEnv(SimBatchedEnv):
@@ -164,6 +173,34 @@ class MujocoWarpEnv(SimBatchedEnv):
         self._warp_done()
         # no per-world warnings in MuJoCo Warp: SimBatchedEnv's NaN/inf check does the work
         return torch.zeros(self.num_envs, dtype=torch.bool, device=self.sim_device)
+
+    def _snapshot_views(self) -> dict[str, Tensor]:
+        """Torch views of the SNAPSHOT_FIELDS this version of MuJoCo Warp has."""
+        data = self.wp_data
+        return {name: self._wp.to_torch(getattr(data, name)) for name in SNAPSHOT_FIELDS
+                if getattr(data, name, None) is not None}
+
+    def _get_sim_state(self) -> dict[str, Tensor]:
+        self._warp_done()
+        return {name: view.clone() for name, view in self._snapshot_views().items()}
+
+    def _set_sim_state(self, state: dict[str, Tensor]) -> None:
+        views = self._snapshot_views()
+        for name, view in views.items():
+            if name not in state:
+                raise UserError(f"env state is missing 'sim/{name}'")
+            if tuple(state[name].shape) != tuple(view.shape):
+                raise UserError(f"env state 'sim/{name}' has shape {tuple(state[name].shape)}, "
+                                f"this env needs {tuple(view.shape)} (another task or num_envs?)")
+        self._warp_done()
+        for name, view in views.items():
+            view.copy_(state[name].to(view.device, view.dtype))
+        self._torch_done()
+        with self._wp.ScopedDevice(self.wp_device):
+            self._mjw.forward(self.wp_model, self.wp_data)
+        self._warp_done()
+        views["sensordata"].copy_(state["sensordata"].to(self.sim_device))  # as the last step left it
+        self._torch_done()
 
     # Rendering reuses the CPU backend's offscreen renderer (same look, same options).
     _renderer = MujocoCpuEnv._renderer
