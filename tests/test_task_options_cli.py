@@ -56,7 +56,7 @@ def test_finetune_makes_every_env_with_the_overrides(short_runs, tmp_path, monke
     monkeypatch.setattr(envs, "make", recording_make)
     run_dir = tmp_path / "ft"
     assert main(["finetune", *SHORT, "algo=residual_ppo", f"checkpoint={short_runs / 'pretrain'}",
-                 "env_steps=28", "num_envs=2", "eval_every=0", "eval_episodes=2", "videos=0",
+                 "env_steps=28", "num_envs=2", "eval_episodes=2", "videos=0",
                  "algo.num_steps=7", "algo.actor_kwargs.hidden=16", f"run_dir={run_dir}"]) == 0
     assert made == [{"max_episode_steps": 7}] * 2  # the training env and the evaluation env
     assert max(episode_lengths(run_dir)) == 7
