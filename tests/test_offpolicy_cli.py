@@ -46,7 +46,7 @@ def test_finetune_then_eval_end_to_end(tmp_path, capsys, bc_checkpoint, algo):
     assert "success_rate:" in out and f"run_dir: {run_dir}" in out
     last = run_dir / "checkpoints" / "last"
     agent = json.loads((last / "agent.json").read_text())
-    assert agent["kind"] == ("residual_sac" if algo == "residual_sac" else "dsrl")
+    assert agent["kind"] == ("residual_offpolicy" if algo == "residual_sac" else "dsrl")
     assert (last / "base_policy" / "model.safetensors").exists()
     assert not list(last.rglob("*.zip")) and not list(last.rglob("*.pkl"))  # no SB3 zips / pickles
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,23 +1,29 @@
-"""RL actors around a ChunkPolicy (the Actor contract: actors/base.py) and `load_agent`, which
-turns any checkpoint (BC or fine-tuned) into an agent for evaluation."""
+"""RL actors around a ChunkPolicy (the Actor contract: actors/base.py), the registry of agent kinds,
+and `load_agent`, which turns any checkpoint (BC or fine-tuned) into an agent for evaluation.
+The checkpoint format: actors/checkpoint.py."""
 
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from embodied_rl.actors.base import Actor, ActorAgent, ActorOutput
+from embodied_rl.actors.checkpoint import (
+    AGENT_FILE,
+    BASE_POLICY,
+    AgentCheckpoint,
+    first_line,
+    load_agent_tensors,
+    read_agent_json,
+    resolve_checkpoint,
+    save_agent,
+)
 from embodied_rl.errors import UserError
 
-AGENT_FILE = "agent.json"
-BASE_POLICY = "base_policy"
-WEIGHTS = "actor.safetensors"
-
-# kind -> "module:Class"
+# on-policy actor kind -> "module:Class"
 ACTORS: dict[str, str] = {
     "residual": "embodied_rl.actors.residual:ResidualActor",
     "residual_chunk": "embodied_rl.actors.residual:ResidualChunkActor",
@@ -25,6 +31,14 @@ ACTORS: dict[str, str] = {
     "dppo": "embodied_rl.actors.dppo:DPPOActor",
     "flow_noise": "embodied_rl.actors.flow_noise:FlowNoiseActor",
     "flow_sde": "embodied_rl.actors.flow_sde:FlowSDEActor",
+}
+
+# agent kind (agent.json's "kind") -> "module:function" that builds its evaluation agent from an
+# AgentCheckpoint and a number of envs
+AGENTS: dict[str, str] = {
+    **{kind: "embodied_rl.actors:build_actor_agent" for kind in ACTORS},
+    "residual_offpolicy": "embodied_rl.actors.residual_offpolicy:build_residual_agent",
+    "dsrl": "embodied_rl.actors.latent_noise:build_noise_agent",
 }
 
 
@@ -39,88 +53,47 @@ def make_actor(kind: str, policy, num_envs: int, **kwargs: Any) -> Actor:
     return _resolve(ACTORS[kind])(policy, num_envs=num_envs, **kwargs)
 
 
-def save_actor(actor: Actor, directory: str | Path) -> None:
-    """agent.json + base_policy/ + actor.safetensors (every tensor but the frozen base's)."""
-    from safetensors.torch import save_file
-
-    from embodied_rl.policies import save_policy
-
-    directory = Path(directory)
-    (directory / AGENT_FILE).write_text(json.dumps({
-        "loader": "embodied_rl.actors:load_actor_agent", "kind": actor.kind, "config": actor.config(),
-    }, indent=2) + "\n")
-    save_policy(actor.policy, directory / BASE_POLICY)
-    state = {k: v.detach().cpu().contiguous() for k, v in actor.state_dict().items()
-             if not k.startswith("policy.")}
-    save_file(state, str(directory / WEIGHTS))
-
-
-def load_actor(path: str | Path, num_envs: int, device: str | torch.device = "cpu") -> Actor:
-    """Rebuild the actor saved by `save_actor` (for resume and evaluation)."""
-    from safetensors.torch import load_file
-
-    from embodied_rl.policies import load_policy
-
-    path = Path(path)
-    spec = json.loads((path / AGENT_FILE).read_text())
-    policy = load_policy(path / BASE_POLICY, device=device)
-    actor = make_actor(spec["kind"], policy, num_envs, **spec.get("config", {}))
-    try:
-        state = load_file(str(path / WEIGHTS))
-    except Exception as error:
-        raise UserError(f"checkpoint '{path}': {WEIGHTS} is missing or corrupt ({error})") from None
-    load_weights(actor, state, path)
-    return actor.to(device)
-
-
 def load_weights(actor: Actor, state: dict[str, torch.Tensor], path: Any = "") -> None:
-    expected = {k for k in actor.state_dict() if not k.startswith("policy.")}
+    """Load `Actor.weights()` tensors into `actor`; a missing or unexpected name is a UserError."""
+    expected = set(actor.weights())
     if set(state) != expected:
         missing = sorted(expected - set(state))[:1] or sorted(set(state) - expected)[:1]
         raise UserError(f"checkpoint '{path}': actor weights do not match the actor (e.g. '{missing[0]}')")
     actor.load_state_dict(state, strict=False)
 
 
-def load_actor_agent(path: str | Path, num_envs: int, device: str | torch.device = "cpu") -> ActorAgent:
-    """The loader named in agent.json of on-policy checkpoints: the actor, deterministic."""
-    return ActorAgent(load_actor(path, num_envs, device).eval(), num_envs, deterministic=True)
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or a run directory (then its checkpoints/last)."""
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"checkpoint '{path}' does not exist")
-    last = path / "checkpoints" / "last"
-    if not (path / AGENT_FILE).exists() and not (path / "config.json").exists() and last.is_dir():
-        return last
-    return path
+def build_actor_agent(checkpoint: AgentCheckpoint, num_envs: int) -> ActorAgent:
+    """The evaluation agent of an on-policy actor: the actor, deterministic."""
+    actor = make_actor(checkpoint.kind, checkpoint.base_policy, num_envs, **checkpoint.config)
+    load_weights(actor, checkpoint.tensors, checkpoint.path)
+    actor = actor.to(checkpoint.base_policy.device).eval()
+    return ActorAgent(actor, num_envs, deterministic=True)
 
 
 def load_agent(path: str | Path, num_envs: int, device: str | torch.device = "cpu"):
-    """An agent (`reset(mask)` / `act(obs)`) for any checkpoint.
+    """An agent (`reset(mask)` / `act(obs)`) for any checkpoint, acting deterministically where
+    the agent can. A BC checkpoint (config.json, model.safetensors) -> PolicyRunner; a fine-tuned
+    one (agent.json) -> the builder AGENTS names for its kind. A run directory stands for its
+    checkpoints/last."""
+    from embodied_rl.policies import PolicyRunner, load_policy
 
-    A BC checkpoint (config.json, model.safetensors) -> PolicyRunner(load_policy(path)).
-    A fine-tuned checkpoint (agent.json) -> its `loader(path, num_envs, device)`, which acts
-    deterministically. A run directory stands for its checkpoints/last.
-    """
     path = resolve_checkpoint(path)
-    agent_file = path / AGENT_FILE
-    if not agent_file.exists():
-        from embodied_rl.policies import PolicyRunner, load_policy
-
+    if not (path / AGENT_FILE).exists():
         return PolicyRunner(load_policy(path, device=device), num_envs)
+    kind, config, _ = read_agent_json(path)
+    if kind not in AGENTS:
+        raise UserError(f"checkpoint '{path}': unknown agent kind {kind!r} (known: {', '.join(AGENTS)})")
+    tensors = load_agent_tensors(path)
+    base_policy = load_policy(path / BASE_POLICY, device=device)
+    checkpoint = AgentCheckpoint(path, kind, config, tensors, base_policy)
     try:
-        spec = json.loads(agent_file.read_text())
-        loader = spec["loader"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise UserError(f"checkpoint '{path}': {AGENT_FILE} is not valid (needs a 'loader')") from None
-    if not isinstance(loader, str) or not loader.startswith("embodied_rl.") or ":" not in loader:
-        raise UserError(f"checkpoint '{path}': loader {loader!r} must be 'embodied_rl.<module>:<function>'")
-    return _resolve(loader)(path, num_envs, device)
+        return _resolve(AGENTS[kind])(checkpoint, num_envs)
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:  # UserError is a ValueError
+        raise UserError(f"checkpoint '{path}': its {kind} agent does not load ({first_line(error)})") from None
 
 
 __all__ = [
-    "ACTORS", "Actor", "ActorAgent", "ActorOutput", "load_actor", "load_actor_agent", "load_agent",
-    "make_actor", "resolve_checkpoint", "save_actor",
+    "ACTORS", "AGENTS", "AGENT_FILE", "Actor", "ActorAgent", "ActorOutput", "AgentCheckpoint", "BASE_POLICY",
+    "build_actor_agent", "load_agent", "load_agent_tensors", "load_weights", "make_actor", "read_agent_json",
+    "resolve_checkpoint", "save_agent",
 ]

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from embodied_rl import core
+from embodied_rl.policies.runner import ChunkExecutor, ObsHistory
 
 
 @dataclass
@@ -48,6 +49,19 @@ def mlp(in_dim: int, out_dim: int, hidden: int = 256, layers: int = 2, act=nn.Ta
     for a, b in zip(dims[:-1], dims[1:]):
         modules += [nn.Linear(a, b), act()]
     modules.append(nn.Linear(dims[-1], out_dim))
+    return nn.Sequential(*modules)
+
+
+def layer_norm_mlp(input_dim: int, output_dim: int, hidden_sizes: list[int], act=nn.ReLU) -> nn.Sequential:
+    """Linear -> LayerNorm -> act per hidden layer, then a plain Linear to output_dim (none when
+    output_dim <= 0: a trunk). The off-policy actors and critics use it."""
+    modules: list[nn.Module] = []
+    last = input_dim
+    for size in hidden_sizes:
+        modules += [nn.Linear(last, size), nn.LayerNorm(size), act()]
+        last = size
+    if output_dim > 0:
+        modules.append(nn.Linear(last, output_dim))
     return nn.Sequential(*modules)
 
 
@@ -131,36 +145,15 @@ class Actor(nn.Module):
         """Constructor keyword arguments (JSON) written to agent.json."""
         return dict(self._config)
 
+    def weights(self) -> dict[str, Tensor]:
+        """Every tensor of the actor but the frozen base policy's: what a checkpoint saves."""
+        return {key: value for key, value in self.state_dict().items() if not key.startswith("policy.")}
+
     def save(self, directory: Path) -> None:
-        """Write agent.json, base_policy/ and actor.safetensors (docs/finetuning.md)."""
-        from embodied_rl.actors import save_actor
+        """Write the agent checkpoint (actors/checkpoint.py): agent.json, agent.safetensors, base_policy/."""
+        from embodied_rl.actors.checkpoint import save_agent
 
-        save_actor(self, directory)
-
-
-class ObsHistory:
-    """The last `n_steps` observations per env, [N, n_steps, D]; a reset row repeats its first obs
-    (what PolicyRunner does at an episode start)."""
-
-    def __init__(self, n_steps: int):
-        self.n_steps = n_steps
-        self.buffer: Tensor | None = None
-
-    def reset(self, obs: Tensor, mask: Tensor | None = None) -> Tensor:
-        fresh = obs[:, None].expand(-1, self.n_steps, -1).clone()
-        if self.buffer is None or mask is None:
-            self.buffer = fresh
-        else:
-            self.buffer[mask] = fresh[mask]
-        return self.buffer
-
-    def push(self, obs: Tensor, new_episode: Tensor | None = None) -> Tensor:
-        if self.buffer is None:
-            return self.reset(obs)
-        self.buffer = torch.cat([self.buffer[:, 1:], obs[:, None]], dim=1)
-        if new_episode is not None and bool(new_episode.any()):
-            self.reset(obs, new_episode)
-        return self.buffer
+        save_agent(directory, self.kind, self.config(), self.weights(), self.policy)
 
 
 class HistoryEnv:
@@ -190,47 +183,34 @@ class HistoryEnv:
         return obs, info
 
 
-class ActorAgent:
+class ActorAgent(ChunkExecutor):
     """An Actor as an evaluation agent (`reset(mask)` / `act(obs) -> [N, A]`), deterministic by
-    default: chunk actors keep an obs history and a queue of executed actions per env."""
+    default. A chunk actor's chunks run through the ChunkExecutor (obs history, action queue per
+    env); a per-step actor acts on every observation (the residual actor runs its base policy's
+    chunks itself)."""
 
     def __init__(self, actor: Actor, num_envs: int, deterministic: bool = True):
+        super().__init__(num_envs, actor.n_obs_steps, actor.n_action_steps, actor.policy.action_dim)
         self.actor = actor
-        self.num_envs = num_envs
         self.deterministic = deterministic
-        self.history = ObsHistory(actor.n_obs_steps)
-        self.queue: Tensor | None = None  # [N, n_action_steps, A]
-        self.queue_pos = torch.full((num_envs,), actor.n_action_steps, dtype=torch.long)
-        self.needs_reset = torch.ones(num_envs, dtype=torch.bool)
 
-    def reset(self, mask: Tensor) -> None:
-        mask = mask.cpu().bool()
-        self.needs_reset |= mask
-        self.queue_pos[mask] = self.actor.n_action_steps
+    def reset(self, mask: Tensor | None = None) -> None:
+        if mask is None:
+            mask = torch.ones(self.num_envs, dtype=torch.bool)
+        mask = torch.as_tensor(mask, dtype=torch.bool).cpu()
+        super().reset(mask)
         self.actor.reset(mask)
 
     @torch.no_grad()
     def act(self, obs: Tensor) -> Tensor:
         if not self.actor.chunked:
             return self.actor.act(obs, deterministic=self.deterministic).actions
-        reset = self.needs_reset.to(obs.device)
-        if self.history.buffer is None:
-            history = self.history.reset(obs)
-        else:
-            history = self.history.push(obs, reset)
-        self.needs_reset[:] = False
-        replan = self.queue_pos >= self.actor.n_action_steps
-        if bool(replan.any()):
-            chunk = self.actor.act(history, deterministic=self.deterministic).actions
-            if self.queue is None:
-                self.queue = chunk.clone()
-            else:
-                self.queue[replan.to(chunk.device)] = chunk[replan.to(chunk.device)]
-            self.queue_pos[replan] = 0
-        index = self.queue_pos.to(self.queue.device)
-        action = self.queue[torch.arange(self.num_envs, device=self.queue.device), index]
-        self.queue_pos += 1
-        return action
+        return super().act(obs)
+
+    def plan(self, history: Tensor, envs: Tensor) -> Tensor:
+        # the actor samples for the whole batch, as in training; rows with queued actions are dropped
+        chunk = self.actor.act(history, deterministic=self.deterministic).actions
+        return chunk[envs.to(chunk.device)]
 
 
 class ChainActor(Actor):

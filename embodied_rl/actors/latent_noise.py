@@ -9,55 +9,27 @@ observation history to an action chunk. DSRL treats w as the action of a new MDP
                         n_action_steps actions, with the rewards summed.
     LayerNormSACPolicy  SB3's SACPolicy with LayerNorm after every hidden Linear.
     NoiseActorAgent     the trained noise actor + base policy as an evaluation agent
-                        (reset(mask) / act(obs)), and `save_noise_actor` / `load_agent` for its
-                        checkpoint (agent.json + actor.safetensors + base_policy/).
+                        (reset(mask) / act(obs)); `build_noise_agent` makes it from a "dsrl"
+                        checkpoint (actors/checkpoint.py: the SB3 policy's tensors + base_policy/).
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import gymnasium
 import numpy as np
 import torch
-from stable_baselines3.common.torch_layers import create_mlp
 from stable_baselines3.common.vec_env import VecEnv
 from stable_baselines3.sac.policies import SACPolicy
 from torch import Tensor, nn
 
+from embodied_rl.actors.base import layer_norm_mlp
+from embodied_rl.actors.checkpoint import AgentCheckpoint
 from embodied_rl.errors import UserError
+from embodied_rl.policies.runner import ChunkExecutor, ObsHistory, executed_actions
 
 AGENT_KIND = "dsrl"
-LOADER = "embodied_rl.actors.latent_noise:load_agent"
-
-
-# --------------------------------------------------------------------------------------------
-# Observation history of a base policy, per env
-# --------------------------------------------------------------------------------------------
-
-
-class ObsHistory:
-    """The last `n_obs_steps` observations of each env, [N, To, D]. A reset env's history is its
-    first observation repeated (what a policy trained on episode windows saw at t=0)."""
-
-    def __init__(self, n_obs_steps: int):
-        self.n_obs_steps = int(n_obs_steps)
-        self.buffer: Tensor | None = None
-
-    def reset(self, obs: Tensor, mask: Tensor | None = None) -> None:
-        fresh = obs.unsqueeze(1).repeat(1, self.n_obs_steps, 1)
-        if self.buffer is None or mask is None:
-            self.buffer = fresh.clone()
-        else:
-            self.buffer[mask] = fresh[mask]
-
-    def push(self, obs: Tensor) -> None:
-        self.buffer = torch.cat([self.buffer[:, 1:], obs.unsqueeze(1)], dim=1)
-
-    def get(self) -> Tensor:
-        return self.buffer.clone()
 
 
 class _RecordObs:
@@ -75,13 +47,6 @@ class _RecordObs:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._env, name)
-
-
-def executable(policy: Any, chunk: Tensor) -> Tensor:
-    """The actions of a chunk that are executed: n_action_steps of them from index
-    n_obs_steps - 1 (the chunk starts at the oldest observation of the history)."""
-    start = int(policy.n_obs_steps) - 1
-    return chunk[:, start : start + int(policy.n_action_steps)]
 
 
 def state_obs(obs: Any) -> Tensor:
@@ -161,7 +126,7 @@ class LatentNoiseVecEnv(VecEnv):
         base_history = self.history.get()
         chunk = self.policy.predict_chunk(base_history, noise=noise)
         self.sampler_calls += 1
-        executed = executable(self.policy, chunk).to(device=device, dtype=torch.float32)
+        executed = executed_actions(self.policy, chunk).to(device=device, dtype=torch.float32)
 
         recorder = _RecordObs(self.env)
         obs, reward, terminated, truncated, info = step_chunk(recorder, executed)
@@ -204,6 +169,22 @@ class LatentNoiseVecEnv(VecEnv):
             infos.append(item)
         return obs.cpu().numpy(), reward.float().cpu().numpy(), done_np, infos
 
+    def state_dict(self) -> dict[str, Tensor]:
+        """What a resumed run needs to continue this VecEnv exactly (the BatchedEnv's own state
+        is saved apart): the last observation, the base policy's obs histories, the counters."""
+        state = {"obs": self._obs, "env_steps": torch.tensor(self.env_steps),
+                 "sampler_calls": torch.tensor(self.sampler_calls)}
+        state.update({f"history.{key}": value for key, value in self.history.state_dict().items()})
+        return {key: value.detach().to("cpu", copy=True) for key, value in state.items()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        device = self.env.device
+        self._obs = state["obs"].to(device)
+        self.env_steps, self.sampler_calls = int(state["env_steps"]), int(state["sampler_calls"])
+        self.history.load_state_dict({key.removeprefix("history."): value.to(device)
+                                      for key, value in state.items() if key.startswith("history.")})
+        self._seed = None  # the env continues from its restored state, never from a seeded reset
+
     def close(self) -> None:
         pass
 
@@ -232,16 +213,12 @@ class LatentNoiseVecEnv(VecEnv):
 # --------------------------------------------------------------------------------------------
 
 
-def layer_norm_mlp(input_dim: int, output_dim: int, net_arch: list[int], activation_fn: type[nn.Module]) -> nn.Sequential:
-    """Linear -> LayerNorm -> activation per hidden layer (output layer plain when output_dim > 0)."""
-    return nn.Sequential(*create_mlp(input_dim, output_dim, net_arch, activation_fn, post_linear_modules=[nn.LayerNorm]))
-
-
 class LayerNormSACPolicy(SACPolicy):
     """SB3's SACPolicy with LayerNorm after each hidden Linear of the actor and the critics.
 
     SB3's create_mlp takes post_linear_modules but SACPolicy does not pass them through, so the
-    actor trunk and the Q networks are rebuilt here (same sizes, same activation)."""
+    actor trunk and the Q networks are rebuilt here (same sizes, same activation, the layers
+    create_mlp(post_linear_modules=[nn.LayerNorm]) makes)."""
 
     def make_actor(self, features_extractor=None):
         actor = super().make_actor(features_extractor)
@@ -269,31 +246,21 @@ def make_noise_critic(obs_dim: int, action_dim: int, net_arch: list[int], n_crit
 # --------------------------------------------------------------------------------------------
 
 
-class NoiseActorAgent:
+class NoiseActorAgent(ChunkExecutor):
     """Noise actor + frozen base policy as an agent: `reset(mask)`, `act(obs) -> [N, A]`.
 
-    Per env: an obs history and a queue of n_action_steps actions; an env whose queue is empty
-    draws its noise from the actor (its mean, squashed and scaled to [-m, m]) and samples one
-    chunk with the base policy. Both are forgotten on reset.
+    A ChunkExecutor: an env whose queue is empty draws its noise from the actor (its mean,
+    squashed and scaled to [-m, m]) at its latest observation and samples one chunk with the
+    base policy from its obs history.
     """
 
     def __init__(self, actor: nn.Module, policy: Any, num_envs: int, noise_bound: float, deterministic: bool = True):
+        super().__init__(num_envs, policy.n_obs_steps, policy.n_action_steps, policy.action_dim)
         self.actor = actor
         self.policy = policy
-        self.num_envs = int(num_envs)
         self.noise_bound = float(noise_bound)
         self.deterministic = deterministic
         self.noise_shape = tuple(int(s) for s in policy.noise_shape)
-        self.n_action_steps = int(policy.n_action_steps)
-        self.history = ObsHistory(int(policy.n_obs_steps))
-        self.queue: Tensor | None = None
-        self.queue_index = torch.full((self.num_envs,), self.n_action_steps, dtype=torch.long)
-        self._fresh = torch.ones(self.num_envs, dtype=torch.bool)
-
-    def reset(self, mask: Tensor) -> None:
-        mask = torch.as_tensor(mask, dtype=torch.bool).cpu()
-        self.queue_index[mask] = self.n_action_steps
-        self._fresh |= mask
 
     @torch.no_grad()
     def noise(self, obs: Tensor) -> Tensor:
@@ -301,29 +268,13 @@ class NoiseActorAgent:
         squashed = self.actor(obs.to(actor_device), deterministic=self.deterministic)
         return squashed.to(obs.device).reshape(len(obs), *self.noise_shape).clamp(-self.noise_bound, self.noise_bound)
 
-    @torch.no_grad()
     def act(self, obs: Any) -> Tensor:
-        obs = state_obs(obs)
-        fresh = self._fresh.to(obs.device)
-        if self.history.buffer is None:
-            self.history.reset(obs)
-        else:
-            self.history.push(obs)
-            self.history.reset(obs, fresh)
-        self._fresh[:] = False
-        replan = (self.queue_index >= self.n_action_steps).to(obs.device)
-        if bool(replan.any()):
-            ids = torch.nonzero(replan).flatten()
-            chunk = self.policy.predict_chunk(self.history.get()[ids], noise=self.noise(obs[ids]))
-            chunk = executable(self.policy, chunk).to(device=obs.device, dtype=torch.float32)
-            if self.queue is None:
-                self.queue = torch.zeros(self.num_envs, self.n_action_steps, chunk.shape[-1], device=obs.device)
-            self.queue[ids] = chunk
-            self.queue_index[ids.cpu()] = 0
-        index = self.queue_index.to(obs.device)
-        action = self.queue[torch.arange(self.num_envs, device=obs.device), index]
-        self.queue_index += 1
-        return action
+        return super().act(state_obs(obs))
+
+    def plan(self, history: Tensor, envs: Tensor) -> Tensor:
+        history = history[envs]
+        chunk = self.policy.predict_chunk(history, noise=self.noise(history[:, -1]))
+        return executed_actions(self.policy, chunk)
 
 
 class _ScaledActor(nn.Module):
@@ -346,49 +297,12 @@ def make_sb3_policy(obs_dim: int, noise_dim: int, noise_bound: float, net_arch: 
     )
 
 
-def save_noise_actor(path: str | Path, sb3_policy: SACPolicy, base_policy: Any, config: dict[str, Any]) -> None:
-    """Write agent.json, actor.safetensors (the whole SB3 policy: actor and critics) and base_policy/."""
-    from safetensors.torch import save_file
-
-    from embodied_rl.policies import save_policy
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    state = {key: value.detach().cpu().contiguous() for key, value in sb3_policy.state_dict().items()}
-    save_file(state, str(path / "actor.safetensors"))
-    save_policy(base_policy, path / "base_policy")
-    agent = {"loader": LOADER, "kind": AGENT_KIND, **config}
-    (path / "agent.json").write_text(json.dumps(agent, indent=2) + "\n")
-
-
-def read_agent_json(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    try:
-        return json.loads((path / "agent.json").read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise UserError(f"checkpoint '{path}': cannot read agent.json ({error})") from None
-
-
-def load_sb3_policy(path: str | Path, config: dict[str, Any], device: str | torch.device = "cpu") -> LayerNormSACPolicy:
-    from safetensors.torch import load_file
-
-    sb3_policy = make_sb3_policy(
-        config["obs_dim"], int(np.prod(config["noise_shape"])), config["noise_bound"], config["net_arch"], config["n_critics"]
-    )
-    try:
-        state = load_file(str(Path(path) / "actor.safetensors"))
-        sb3_policy.load_state_dict(state)
-    except Exception as error:  # corrupt or mismatched weights: one line, nothing changed
-        raise UserError(f"checkpoint '{path}': cannot load actor.safetensors ({error})") from None
-    return sb3_policy.to(device).eval()
-
-
-def load_agent(path: str | Path, num_envs: int, device: str | torch.device = "cpu") -> NoiseActorAgent:
-    """The `agent.json` loader of DSRL / DSRL-NA checkpoints (see docs/finetuning.md)."""
-    from embodied_rl.policies import load_policy
-
-    config = read_agent_json(path)
-    sb3_policy = load_sb3_policy(path, config, device)
-    base_policy = load_policy(Path(path) / "base_policy", device=device)
-    base_policy.eval()
-    return NoiseActorAgent(_ScaledActor(sb3_policy.actor, config["noise_bound"]), base_policy, num_envs, config["noise_bound"])
+def build_noise_agent(checkpoint: AgentCheckpoint, num_envs: int) -> NoiseActorAgent:
+    """The evaluation agent of a "dsrl" checkpoint (DSRL and DSRL-NA): the noise actor's mean."""
+    config = checkpoint.config
+    noise_bound = config["noise_bound"]
+    sb3_policy = make_sb3_policy(config["obs_dim"], int(np.prod(config["noise_shape"])), noise_bound,
+                                 config["net_arch"], config["n_critics"])
+    sb3_policy.load_state_dict(checkpoint.tensors)
+    sb3_policy = sb3_policy.to(checkpoint.base_policy.device).eval()
+    return NoiseActorAgent(_ScaledActor(sb3_policy.actor, noise_bound), checkpoint.base_policy, num_envs, noise_bound)

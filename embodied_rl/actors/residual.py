@@ -150,6 +150,12 @@ class ResidualActor(Actor):
     def reset(self, mask: Tensor) -> None:
         self.runner.reset(mask)
 
+    def runtime_state(self) -> dict[str, Tensor]:
+        return self.runner.state_dict()  # the base policy's obs histories, queues and generator
+
+    def load_runtime_state(self, state: dict[str, Tensor]) -> None:
+        self.runner.load_state_dict(state)
+
     def for_eval(self, num_envs: int) -> ResidualActor:
         """A shallow copy sharing every module, with its own base-policy runner."""
         import copy

@@ -34,20 +34,19 @@ from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from stable_baselines3.common.utils import polyak_update
 from torch import Tensor
 
+from embodied_rl.actors import save_agent
 from embodied_rl.actors.latent_noise import (
     AGENT_KIND,
-    LOADER,
     LatentNoiseVecEnv,
     LayerNormSACPolicy,
     NoiseActorAgent,
     _ScaledActor,
-    executable,
     make_noise_critic,
-    save_noise_actor,
 )
 from embodied_rl.algos.common import FinetuneLoop, reward_settings
 from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart
 from embodied_rl.errors import UserError
+from embodied_rl.policies import executed_actions
 
 # --------------------------------------------------------------------------------------------
 # Replay buffer that also keeps what DSRL-NA needs to re-run the base policy
@@ -185,7 +184,7 @@ class DSRL(SAC):
         history = history.reshape(len(history), env.history.n_obs_steps, -1).to(policy_device)
         noise = (scaled_noise * env.noise_bound).reshape(len(history), *env.noise_shape).to(policy_device)
         chunk = env.policy.predict_chunk(history, noise=noise)
-        return executable(env.policy, chunk).reshape(len(history), -1).to(self.device)
+        return executed_actions(env.policy, chunk).reshape(len(history), -1).to(self.device)
 
     def _action_q(self, critic: torch.nn.ModuleList, obs: Tensor, executed: Tensor) -> Tensor:
         inputs = torch.cat([obs, executed], dim=1)
@@ -459,7 +458,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
 
     loop = FinetuneLoop(cfg, run, noise_agent_factory(model, policy))
     saved = loop.resume({"learner": _Learner(model)}, _optimizers(model),
-                        lambda path: save_noise_actor(path, model.policy, policy, config))
+                        lambda path: save_agent(path, AGENT_KIND, config, model.policy.state_dict(), policy))
     if saved is not None:  # continue exactly where the checkpoint stopped (SB3 then skips its reset)
         env.set_state(saved["env"])
         vec_env.load_state_dict(saved["vec_env"])
@@ -481,4 +480,4 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     return loop.finish(loop_state())
 
 
-__all__ = ["AGENT_KIND", "DSRL", "DSRLConfig", "LOADER", "NoiseReplayBuffer", "finetune", "make_dsrl"]
+__all__ = ["AGENT_KIND", "DSRL", "DSRLConfig", "NoiseReplayBuffer", "finetune", "make_dsrl"]

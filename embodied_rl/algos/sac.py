@@ -26,18 +26,20 @@ import torch
 from omegaconf import OmegaConf
 from torch import Tensor, nn
 
+from embodied_rl.actors import save_agent
+from embodied_rl.actors.base import layer_norm_mlp
 from embodied_rl.actors.latent_noise import state_obs
 from embodied_rl.actors.residual_offpolicy import (
-    BaseActionQueue,
+    AGENT_KIND,
     ResidualAgent,
     actor_obs,
-    make_actor,
-    mlp,
-    save_residual_actor,
+    make_residual_net,
+    residual_tensors,
 )
 from embodied_rl.algos.common import FinetuneLoop, reward_settings, training_reward
 from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart
 from embodied_rl.errors import UserError
+from embodied_rl.policies import PolicyRunner
 
 # --------------------------------------------------------------------------------------------
 # Pure pieces: n-step returns and the random-pair target
@@ -81,7 +83,7 @@ class QEnsemble(nn.Module):
 
     def __init__(self, obs_dim: int, action_dim: int, hidden_sizes: list[int], ensemble: int):
         super().__init__()
-        self.critics = nn.ModuleList(mlp(obs_dim + 2 * action_dim, 1, hidden_sizes) for _ in range(ensemble))
+        self.critics = nn.ModuleList(layer_norm_mlp(obs_dim + 2 * action_dim, 1, hidden_sizes) for _ in range(ensemble))
 
     def forward(self, obs: Tensor, base: Tensor, action: Tensor) -> Tensor:
         x = torch.cat([obs, base, action], dim=-1)
@@ -294,8 +296,8 @@ class ResidualSAC:
         self.config = {"obs_dim": obs_dim, "action_dim": action_dim, "hidden_sizes": list(algo.actor_hidden_sizes),
                        "residual_scale": algo.residual_scale, "actor": algo.learner,
                        "normalize_obs": algo.normalize_obs}
-        self.actor = make_actor(self.config).to(device)
-        self.actor_target = make_actor(self.config).to(device).requires_grad_(False)
+        self.actor = make_residual_net(self.config).to(device)
+        self.actor_target = make_residual_net(self.config).to(device).requires_grad_(False)
         self.actor_target.load_state_dict(self.actor.state_dict())
         self.critic = QEnsemble(obs_dim, action_dim, list(algo.critic_hidden_sizes), int(algo.ensemble)).to(device)
         self.critic_target = QEnsemble(obs_dim, action_dim, list(algo.critic_hidden_sizes), int(algo.ensemble)).to(device)
@@ -431,14 +433,14 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     demo_generator = torch.Generator().manual_seed(seed + 1)
 
     def write_agent(path: Path) -> None:
-        save_residual_actor(path, learner.actor, learner.critic, policy, learner.config)
+        save_agent(path, AGENT_KIND, learner.config, residual_tensors(learner.actor, learner.critic), policy)
 
     def make_agent(n: int) -> ResidualAgent:
         return ResidualAgent(learner.actor, policy, n, algo.normalize_obs)
 
     loop = FinetuneLoop(cfg, run, make_agent)
     saved = loop.resume({"learner": learner}, learner.optimizers(), write_agent)
-    queue = BaseActionQueue(policy, num_envs, seed=seed)
+    queue = PolicyRunner(policy, num_envs, seed=seed)
     window: list[dict[str, Tensor]] = []  # the last n_step steps, whose n-step returns are not complete yet
     pending_updates = 0.0
     stats: dict[str, float] = {}

@@ -1,4 +1,5 @@
-"""Behaviour-cloning chunk policies (diffusion, flow matching, shortcut), checkpoints, runner."""
+"""Behaviour-cloning chunk policies (diffusion, flow matching, shortcut), checkpoints, and the chunk
+executor that runs them (runner.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from embodied_rl.policies.base import ChunkPolicy
 from embodied_rl.policies.checkpoint import load_policy, read_config, save_policy
 from embodied_rl.policies.diffusion import DiffusionPolicy
 from embodied_rl.policies.flow import FlowPolicy
-from embodied_rl.policies.runner import PolicyRunner
+from embodied_rl.policies.runner import ChunkExecutor, ObsHistory, PolicyRunner, executed_actions
 from embodied_rl.policies.shortcut import ShortcutPolicy
 
 POLICIES: dict[str, type[ChunkPolicy]] = {
@@ -29,11 +30,14 @@ def make_policy(policy_type: str, **kwargs: Any) -> ChunkPolicy:
 
 __all__ = [
     "POLICIES",
+    "ChunkExecutor",
     "ChunkPolicy",
     "DiffusionPolicy",
     "FlowPolicy",
+    "ObsHistory",
     "PolicyRunner",
     "ShortcutPolicy",
+    "executed_actions",
     "load_policy",
     "make_policy",
     "read_config",

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from embodied_rl.actors import ActorAgent, load_agent, make_actor, save_actor
+from embodied_rl.actors import ActorAgent, load_agent, make_actor
 from embodied_rl.errors import UserError
 from embodied_rl.policies import make_policy
 
@@ -171,7 +171,7 @@ def test_save_and_load_agent_acts_like_the_actor(kind, policy_type, tmp_path):
     with torch.no_grad():
         for p in actor.actor_parameters():
             p.add_(0.01)
-    save_actor(actor, tmp_path)
+    actor.save(tmp_path)
     agent = load_agent(tmp_path, num_envs=2)
     reference = ActorAgent(actor.for_eval(2), 2, deterministic=True)
     obs = torch.randn(2, OBS_DIM)
@@ -197,3 +197,16 @@ def test_load_agent_rejects_a_foreign_loader(tmp_path):
     (tmp_path / "agent.json").write_text('{"loader": "os:system"}')
     with pytest.raises(UserError, match="loader"):
         load_agent(tmp_path, num_envs=1)
+
+
+def test_residual_runtime_state_resumes_the_base_queue():
+    policy = tiny_policy("flow", 2)
+    actor = make_actor("residual", policy, num_envs=2)
+    obs = torch.randn(5, 2, OBS_DIM)
+    actor.act(obs[0], deterministic=True)
+    state = actor.runtime_state()
+    expected = [actor.act(o, deterministic=True).stash["base_action"] for o in obs[1:]]
+    resumed = make_actor("residual", policy, num_envs=2)
+    resumed.load_runtime_state(state)
+    for o, base in zip(obs[1:], expected):
+        assert torch.equal(resumed.act(o, deterministic=True).stash["base_action"], base)

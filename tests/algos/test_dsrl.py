@@ -155,3 +155,22 @@ def test_noise_actor_agent_replans_per_env():
     agent.act(obs)  # env 0 replans on its own (others still hold one queued action)
     assert counting.calls == 3
     assert torch.isfinite(a2).all()
+
+
+def test_vec_env_state_dict_continues_exactly():
+    policy = tiny_policy()
+    noises = torch.randn(8, 4, 8, generator=torch.Generator().manual_seed(0)).numpy()
+    vec_env = make_vec_env(policy)
+    vec_env.reset()
+    for noise in noises[:3]:
+        vec_env.step(noise)
+    env_state, state = vec_env.env.get_state(), vec_env.state_dict()
+    expected = [vec_env.step(noise) for noise in noises[3:]]
+    resumed = make_vec_env(policy)
+    resumed.env.set_state(env_state)
+    resumed.load_state_dict(state)
+    for noise, (obs, reward, done, infos) in zip(noises[3:], expected):
+        obs2, reward2, done2, infos2 = resumed.step(noise)
+        assert np.array_equal(obs, obs2) and np.array_equal(reward, reward2) and np.array_equal(done, done2)
+        assert all(np.array_equal(a["base_history"], b["base_history"]) for a, b in zip(infos, infos2))
+    assert resumed.env_steps == vec_env.env_steps and resumed.sampler_calls == vec_env.sampler_calls

@@ -9,12 +9,9 @@ import pytest
 import torch
 
 from embodied_rl import envs
-from embodied_rl.actors.residual_offpolicy import (
-    BaseActionQueue,
-    ResidualActor,
-    ResidualAgent,
-    load_agent,
-)
+from embodied_rl.actors import load_agent, load_agent_tensors
+from embodied_rl.actors.checkpoint import with_prefix
+from embodied_rl.actors.residual_offpolicy import ResidualAgent, ResidualPolicyNet
 from embodied_rl.algos.sac import (
     ResidualOffPolicyConfig,
     ResidualSAC,
@@ -25,6 +22,7 @@ from embodied_rl.algos.sac import (
 )
 from embodied_rl.cli import compose
 from embodied_rl.data.dataset import DemoDataset, write_demos
+from embodied_rl.policies import PolicyRunner
 from embodied_rl.runs import Run
 from tests.algos.test_dsrl import CountingPolicy, tiny_policy
 
@@ -67,7 +65,7 @@ def test_random_pair_minimum():
 
 
 def test_residual_actor_starts_at_zero_and_is_bounded():
-    actor = ResidualActor(8, 2, [16, 16], scale=0.3, stochastic=True)
+    actor = ResidualPolicyNet(8, 2, [16, 16], scale=0.3, stochastic=True)
     obs, base = torch.randn(64, 8), torch.randn(64, 2)
     assert torch.equal(actor(obs, base), torch.zeros(64, 2))
     with torch.no_grad():
@@ -81,7 +79,7 @@ def test_the_residual_sees_the_base_policys_normalised_observation():
     with torch.no_grad():  # a normaliser that is not the identity, so the test can tell
         policy.normalizer.obs_scale.fill_(10.0)
         policy.normalizer.obs_offset.fill_(-1.0)
-    actor = ResidualActor(8, 2, [16], scale=0.5, stochastic=False)
+    actor = ResidualPolicyNet(8, 2, [16], scale=0.5, stochastic=False)
     seen = []
     actor.register_forward_pre_hook(lambda module, args: seen.append(args[0].clone()))
     obs = torch.randn(3, 8)
@@ -94,22 +92,22 @@ def test_the_residual_sees_the_base_policys_normalised_observation():
 
 def test_base_queue_resets_per_env_and_peeks_without_side_effects():
     counting = CountingPolicy(tiny_policy())  # n_action_steps = 2
-    queue = BaseActionQueue(counting, num_envs=3)
+    queue = PolicyRunner(counting, num_envs=3, seed=0)  # the base policy as residual SAC runs it
     obs = torch.randn(3, 8)
     queue.act(obs)
     assert counting.calls == 1
     queue.act(obs)  # second action of the chunk: no replan
     assert counting.calls == 1
-    index = queue.index.clone()
+    index = queue.next_index.clone()
     peeked = queue.peek(obs, torch.tensor([True, False, False]))  # queue empty -> one plan
-    assert counting.calls == 2 and torch.equal(queue.index, index)
+    assert counting.calls == 2 and torch.equal(queue.next_index, index)
     assert peeked[1:].abs().sum() == 0
     queue.reset(torch.tensor([False, True, False]))
     queue.act(obs)  # every queue is empty now: one call plans all three envs
     assert counting.calls == 3
     queue.reset(torch.tensor([False, True, False]))
     queue.act(obs)  # only env 1 was reset mid-chunk: it replans alone
-    assert counting.calls == 4 and queue.index.tolist() == [2, 1, 2]
+    assert counting.calls == 4 and queue.next_index.tolist() == [2, 1, 2]
 
 
 def make_demos(path, episodes: int = 3, length: int = 12):
@@ -166,9 +164,7 @@ def run_finetune(cfg):
 
 
 def last_layer(path):
-    from embodied_rl.actors.residual_offpolicy import load_tensors
-
-    actor = load_tensors(path, "actor.")
+    actor = with_prefix("actor.", load_agent_tensors(path))
     last = max(int(k.split(".")[1]) for k in actor if k.startswith("trunk."))
     return actor[f"trunk.{last}.weight"]
 
@@ -181,7 +177,7 @@ def test_finetune_end_to_end_with_demos(tmp_path, actor):
     assert headline["env_steps"] == 200 and 0.0 <= headline["success_rate"] <= 1.0
     path = run.file("checkpoints", "last")
     spec = json.loads((path / "agent.json").read_text())
-    assert spec["kind"] == "residual_sac" and spec["normalize_obs"] is True
+    assert spec["kind"] == "residual_offpolicy" and spec["config"]["normalize_obs"] is True
     assert last_layer(path).abs().sum() > 0  # the actor did learn in the full phase
     agent = load_agent(path, num_envs=2)
     agent.reset(torch.ones(2, dtype=torch.bool))

@@ -1,7 +1,10 @@
-"""PolicyRunner: obs history, action queue, replanning only where needed, partial resets."""
+"""PolicyRunner (the ChunkExecutor over a ChunkPolicy): obs history, action queue, replanning only
+where needed, partial resets, dict observations, state_dict for an exact resume."""
 
+import pytest
 import torch
 
+from embodied_rl.errors import UserError
 from embodied_rl.policies import PolicyRunner
 from embodied_rl.policies.base import ChunkPolicy
 
@@ -82,3 +85,61 @@ def test_runner_with_real_policy_is_seeded():
     obs = torch.randn(4, 3)
     assert torch.equal(PolicyRunner(policy, 4, seed=3).act(obs), PolicyRunner(policy, 4, seed=3).act(obs))
     assert runner_again.act(obs).shape == (4, 2)
+
+
+class DictEchoPolicy(EchoPolicy):
+    """chunk[n, h] = 100 * latest state + latest pixel value + h, for {"state", "pixels"} obs."""
+
+    def predict_chunk(self, obs, noise=None, generator=None):
+        self.calls.append({k: v.clone() for k, v in obs.items()})
+        h = torch.arange(self.horizon, dtype=torch.float32)
+        latest = 100 * obs["state"][:, -1, :1] + obs["pixels"][:, -1, :1, 0, 0]
+        return (latest + h)[:, :, None]
+
+
+def dict_obs(states, pixel):
+    n = len(states)
+    return {"state": obs_of(states), "pixels": torch.full((n, 2, 2, 3), float(pixel))}
+
+
+def test_dict_observations_keep_one_history_per_entry():
+    policy = DictEchoPolicy()
+    runner = PolicyRunner(policy, num_envs=2)
+    runner.reset()
+    assert runner.act(dict_obs([1, 2], 5))[:, 0].tolist() == [106, 206]
+    runner.reset(torch.tensor([True, False]))
+    runner.act(dict_obs([3, 4], 7))  # env 0 replans from a restarted history
+    call = policy.calls[1]
+    assert call["state"][:, :, 0].tolist() == [[3, 3]] and call["pixels"].shape == (1, 2, 2, 2, 3)
+    assert runner.history.buffer["pixels"][1, :, 0, 0, 0].tolist() == [5, 7]  # env 1 kept its history
+    state = runner.state_dict()
+    assert {"history.obs.state", "history.obs.pixels", "queue", "next_index", "fresh", "generator"} == set(state)
+    again = PolicyRunner(policy, num_envs=2)
+    again.load_state_dict(state)
+    assert torch.equal(again.act(dict_obs([8, 9], 1)), runner.act(dict_obs([8, 9], 1)))
+
+
+def test_state_dict_resumes_exactly():
+    from test_chunk_policies import tiny_policy
+
+    policy = tiny_policy("flow").eval()
+    obs = torch.randn(12, 4, 3, generator=torch.Generator().manual_seed(0))
+    runner = PolicyRunner(policy, num_envs=4, seed=0)
+    runner.reset()
+    for t in range(5):
+        runner.act(obs[t])
+    runner.reset(torch.tensor([False, True, False, False]))  # a partial reset before the save
+    state = runner.state_dict()
+    expected = [runner.act(obs[t]) for t in range(5, 12)]
+    resumed = PolicyRunner(policy, num_envs=4, seed=123)  # the generator comes from the state
+    resumed.load_state_dict(state)
+    assert all(torch.equal(resumed.act(obs[t]), a) for t, a in zip(range(5, 12), expected))
+
+
+def test_load_state_dict_refuses_a_mismatched_state():
+    runner = PolicyRunner(EchoPolicy(), num_envs=2)
+    runner.act(obs_of([1, 2]))
+    with pytest.raises(UserError, match="queue of shape"):
+        PolicyRunner(EchoPolicy(), num_envs=3).load_state_dict(runner.state_dict())
+    with pytest.raises(UserError, match="lacks 'generator'"):
+        runner.load_state_dict({k: v for k, v in runner.state_dict().items() if k != "generator"})
