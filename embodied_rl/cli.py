@@ -84,6 +84,8 @@ def _describe(value: Any) -> str:
 
 # numbers that may also be given per action dimension, as a list (the actor checks the length)
 PER_DIM_KEYS = {"algo.actor_kwargs.action_scale"}
+# numbers that may also be "auto" (the algorithm's config checks the value)
+AUTO_OR_NUMBER_KEYS = {"algo.target_entropy", "algo.ent_coef"}
 
 
 def _check_types(reference: Any, composed: Any, overrides: list[str]) -> None:
@@ -98,7 +100,10 @@ def _check_types(reference: Any, composed: Any, overrides: list[str]) -> None:
         value = OmegaConf.select(composed, key, throw_on_missing=False)
         if default is None or value is None:
             continue
-        if isinstance(default, bool):
+        if key in AUTO_OR_NUMBER_KEYS:
+            ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
+                isinstance(value, str) and value.startswith("auto"))
+        elif isinstance(default, bool):
             ok = isinstance(value, bool)
         elif isinstance(default, int):
             ok = isinstance(value, int) and not isinstance(value, bool)

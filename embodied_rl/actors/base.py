@@ -122,6 +122,14 @@ class Actor(nn.Module):
     def reset(self, mask: Tensor) -> None:
         """Forget per-env state where mask is set (the residual actor's base-policy queue)."""
 
+    def runtime_state(self) -> dict[str, Tensor]:
+        """Per-env state that is not a weight (the residual actor's base-policy queue), as
+        tensors: a checkpoint saves it so a resumed run continues exactly."""
+        return {}
+
+    def load_runtime_state(self, state: dict[str, Tensor]) -> None:
+        """Restore what `runtime_state` returned."""
+
     def for_eval(self, num_envs: int) -> Actor:
         """This actor for an eval env of `num_envs` copies (same weights, own per-env state)."""
         return self

@@ -138,11 +138,13 @@ def _checkpoint_step(path: Path) -> int | None:
 def _point_last(root: Path, target: Path) -> None:
     """Make checkpoints/last a symlink to `target`, in one rename."""
     last = root / "last"
-    if last.is_dir() and not last.is_symlink():  # a directory `last` (older layout): retire it
-        retired = root / ".last.retired"
-        shutil.rmtree(retired, ignore_errors=True)
-        os.replace(last, retired)
-        shutil.rmtree(retired, ignore_errors=True)
+    if last.is_dir() and not last.is_symlink():  # a directory `last` (older layout): keep it, numbered
+        step = _checkpoint_step(last)
+        numbered = root / str(step)
+        if step is not None and not numbered.exists():
+            os.replace(last, numbered)
+        else:  # incomplete, or a copy of the numbered checkpoint of its step (the older layout wrote both)
+            shutil.rmtree(last)
     link = root / ".last.link.tmp"
     link.unlink(missing_ok=True)
     os.symlink(target.name, link)
