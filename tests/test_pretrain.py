@@ -85,3 +85,20 @@ def test_pretrain_on_reach_with_eval(tmp_path, capsys):
     assert info["per_episode"][0]["video"] == "videos/episode_0.mp4"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any("eval/success_rate" in r for r in rows)
+
+
+def test_pretrain_refuses_a_dataset_with_a_missing_chunk(tmp_path, capsys):
+    data = tmp_path / "demos.zarr"
+    assert main(["collect", "task=reach", "demos=2", "num_envs=2", f"out={data}",
+                 f"run_dir={tmp_path / 'collect'}"]) == 0
+    chunk = next((data / "data" / "action" / "c").rglob("*"))
+    while chunk.is_dir():
+        chunk = next(chunk.iterdir())
+    chunk.unlink()  # zarr would read the missing chunk as zeros
+    capsys.readouterr()
+    run_dir = tmp_path / "pretrain"
+    assert main(["pretrain", "task=reach", f"data={data}", "steps=2", "eval_episodes=0",
+                 f"run_dir={run_dir}", *TINY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "data/action is missing 1 of its 1 chunk files" in err
+    assert not run_dir.exists()

@@ -11,6 +11,8 @@
 
 Episode e covers steps [episode_ends[e-1], episode_ends[e]) (0 for the first episode).
 Writes go to a temporary sibling and are renamed into place, so a dataset is whole or absent.
+Every chunk is written, even one that holds only zeros (zarr skips those by default, and a
+missing chunk reads as zeros): `load` refuses an array with a missing chunk file.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ from embodied_rl.runs import atomic_dir
 
 FORMAT = "embodied_rl.demos/v1"
 STEP_KEYS = ("obs", "action", "reward")
+# attrs flag of datasets whose every chunk was written (write_empty_chunks); in older ones a chunk
+# of all-zero rewards or all-False successes may be absent on purpose
+ALL_CHUNKS = "all_chunks_written"
+# arrays that never hold a whole chunk of zeros, so a missing chunk is damage in any dataset
+NEVER_ZERO = ("data/obs", "data/action", "data/pixels", "meta/episode_ends")
+WRITE_EVERY_CHUNK = {"write_empty_chunks": True}
 
 
 def write_demos(path: str | Path, episodes: list[dict[str, np.ndarray]], attrs: dict[str, Any]) -> Path:
@@ -48,13 +56,24 @@ def write_demos(path: str | Path, episodes: list[dict[str, np.ndarray]], attrs: 
             if key != "pixels":
                 array = array.astype(np.float32)
             chunks = (min(len(array), 1024 if key != "pixels" else 64),) + array.shape[1:]
-            data.create_array(key, data=array, chunks=chunks)
+            data.create_array(key, data=array, chunks=chunks, config=WRITE_EVERY_CHUNK)
         meta = root.create_group("meta")
-        meta.create_array("episode_ends", data=np.cumsum(lengths).astype(np.int64))
+        meta.create_array("episode_ends", data=np.cumsum(lengths).astype(np.int64), config=WRITE_EVERY_CHUNK)
         success = np.array([bool(ep.get("success", False)) for ep in episodes])
-        meta.create_array("episode_success", data=success)
-        root.attrs.update({"format": FORMAT, **attrs})
+        meta.create_array("episode_success", data=success, config=WRITE_EVERY_CHUNK)
+        root.attrs.update({"format": FORMAT, **attrs, ALL_CHUNKS: True})
     return path
+
+
+def _check_every_chunk(root: Any, path: Path, strict: bool) -> None:
+    """Refuse an array whose chunk files are not all there: zarr would read them as zeros."""
+    for group in ("data", "meta"):
+        for name, array in root[group].arrays():
+            key = f"{group}/{name}"
+            if (strict or key in NEVER_ZERO) and array.nchunks_initialized < array.nchunks:
+                missing = array.nchunks - array.nchunks_initialized
+                raise UserError(f"dataset '{path}' is incomplete: {key} is missing {missing} of its "
+                                f"{array.nchunks} chunk files")
 
 
 @dataclass
@@ -93,6 +112,7 @@ class DemoDataset:
         try:
             root = zarr.open_group(str(path), mode="r")
             attrs = dict(root.attrs)
+            _check_every_chunk(root, path, strict=bool(attrs.get(ALL_CHUNKS)))
             arrays = {key: root["data"][key][:] for key in STEP_KEYS}
             pixels = root["data"]["pixels"][:] if "pixels" in root["data"] else None
             ends = root["meta"]["episode_ends"][:].astype(np.int64)
