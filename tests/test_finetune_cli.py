@@ -23,7 +23,7 @@ def checkpoints(tmp_path_factory):
     return root
 
 
-TINY = ["task=reach", "num_envs=4", "eval_episodes=4", "videos=0", "algo.actor_kwargs.critic_hidden=16"]
+TINY = ["task=reach", "num_envs=4", "eval_episodes=4", "videos=0", "log_every=1", "algo.actor_kwargs.critic_hidden=16"]
 
 
 def metrics(run_dir):
@@ -65,7 +65,7 @@ def test_every_on_policy_algorithm_runs_end_to_end(algo, policy, extra, checkpoi
 def test_a_stopped_run_resumes_and_its_step_counter_continues(checkpoints, tmp_path, capsys):
     run_dir = tmp_path / "run"
     common = ["algo=reinflow", f"checkpoint={checkpoints / 'flow'}", "eval_every=0", f"run_dir={run_dir}",
-              "algo.num_steps=4", "algo.checkpoint_every=1", *TINY]
+              "algo.num_steps=4", "checkpoint_every=32", *TINY]
     assert main(["finetune", "env_steps=64", *common]) == 0  # stops after 2 iterations of 32 steps
     state = json.loads((run_dir / "checkpoints/last/training_state/counters.json").read_text())
     assert state["iteration"] == 2 and state["env_steps"] == 64

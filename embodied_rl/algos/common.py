@@ -437,7 +437,7 @@ class FinetuneLoop:
 
     def check_finite(self, quantity: str, value: Any, metrics: dict[str, Any] | None = None) -> None:
         """Stop the run (Diverged, exit code 3) when `value` is not finite; its row is logged."""
-        value = float(value)
+        value = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
         if not math.isfinite(value):
             self.run.log(self.env_steps, {**(metrics or {}), quantity: value})
             self._diverged(quantity)

@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from stable_baselines3 import SAC
 from stable_baselines3.common.buffers import ReplayBuffer
-from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.logger import Logger
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from stable_baselines3.common.utils import polyak_update
@@ -424,30 +423,12 @@ def load_replay_state(buffer: ReplayBuffer, state: dict[str, Any]) -> None:
     buffer.pos, buffer.full = int(state["pos"]), bool(state["full"])
 
 
-class _LoopCallback(BaseCallback):
-    """SB3 calls this after every VecEnv step: the FinetuneLoop's per-step bookkeeping."""
-
-    def __init__(self, loop: FinetuneLoop, model: DSRL, loop_state):
-        super().__init__()
-        self.loop, self.dsrl, self.loop_state = loop, model, loop_state
-
-    def _on_step(self) -> bool:
-        vec_env, loop = self.dsrl.noise_env, self.loop
-        loop.advance(vec_env.env_steps - loop.env_steps)
-        loop.record_episodes(list(vec_env.episode_returns), [float(s) for s in vec_env.episode_successes])
-        vec_env.episode_returns.clear()
-        vec_env.episode_successes.clear()
-        stats = self.dsrl.stats
-        for key in ("train/critic_loss", "train/actor_loss", "train/noise_critic_loss", "train/action_critic_loss"):
-            if key in stats:  # divergence stops the run
-                loop.check_finite(key, stats[key], stats)
-        loop.log({**stats, "train/phase": {WARMUP: 0, CRITIC: 1, FULL: 2}[self.dsrl.warm_start.phase(loop.env_steps)]})
-        loop.boundary(self.loop_state)
-        return loop.env_steps < loop.total_env_steps
-
-
 def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
-    """`embodied-rl finetune algo=dsrl|dsrl_na`: train, evaluate, checkpoint; return the headline."""
+    """`embodied-rl finetune algo=dsrl|dsrl_na`: train, evaluate, checkpoint; return the headline.
+
+    The loop is SB3's off-policy step written out (sample an action, step the VecEnv, store the
+    transition, train), so that a checkpoint falls between two whole steps and a resumed run
+    continues exactly; Stable-Baselines3 still does the acting, the replay and the SAC update."""
     algo = DSRLConfig.from_cfg(cfg.algo)
     policy.eval()
     policy.requires_grad_(False)
@@ -459,24 +440,37 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     loop = FinetuneLoop(cfg, run, noise_agent_factory(model, policy))
     saved = loop.resume({"learner": _Learner(model)}, _optimizers(model),
                         lambda path: save_agent(path, AGENT_KIND, config, model.policy.state_dict(), policy))
-    if saved is not None:  # continue exactly where the checkpoint stopped (SB3 then skips its reset)
+    if saved is None:
+        model._last_obs = vec_env.reset()
+    else:  # continue exactly where the checkpoint stopped
         env.set_state(saved["env"])
         vec_env.load_state_dict(saved["vec_env"])
         model._last_obs = saved["last_obs"].numpy()
-        model._last_episode_starts = saved["last_episode_starts"].numpy()
         if "replay" in saved:
             load_replay_state(model.replay_buffer, saved["replay"])
 
     def loop_state() -> dict[str, Any]:
         return {"env": env.get_state(), "vec_env": vec_env.state_dict(),
-                "last_obs": torch.from_numpy(np.asarray(model._last_obs)),
-                "last_episode_starts": torch.from_numpy(np.asarray(model._last_episode_starts)),
-                "replay": replay_state(model.replay_buffer)}
+                "last_obs": torch.from_numpy(np.asarray(model._last_obs)), "replay": replay_state(model.replay_buffer)}
 
     loop.start(f"finetune {algo.name}")
-    if loop.env_steps < loop.total_env_steps:
-        model.learn(total_timesteps=loop.total_env_steps, callback=_LoopCallback(loop, model, loop_state),
-                    reset_num_timesteps=saved is None)
+    while loop.env_steps < loop.total_env_steps:
+        model.policy.set_training_mode(False)
+        noise, buffer_noise = model._sample_action(0, None, vec_env.num_envs)
+        new_obs, rewards, dones, infos = vec_env.step(noise)
+        model.num_timesteps += vec_env.num_envs
+        model._store_transition(model.replay_buffer, buffer_noise, new_obs, rewards, dones, infos)  # sets _last_obs
+        model.train(gradient_steps=model.gradient_steps, batch_size=model.batch_size)
+
+        loop.advance(vec_env.env_steps - loop.env_steps)
+        loop.record_episodes(list(vec_env.episode_returns), [float(s) for s in vec_env.episode_successes])
+        vec_env.episode_returns.clear()
+        vec_env.episode_successes.clear()
+        for key in ("train/critic_loss", "train/actor_loss", "train/noise_critic_loss", "train/action_critic_loss"):
+            if key in model.stats:  # divergence stops the run
+                loop.check_finite(key, model.stats[key], model.stats)
+        loop.log({**model.stats, "train/phase": {WARMUP: 0, CRITIC: 1, FULL: 2}[model.warm_start.phase(loop.env_steps)]})
+        loop.boundary(loop_state)
     return loop.finish(loop_state())
 
 

@@ -52,10 +52,22 @@ class ValueIsTimeActor:
         self.last_reset = mask
 
 
+class EpisodeRecorder:
+    """What collect_ppo reports to the FinetuneLoop: env steps and finished episodes."""
+
+    def __init__(self):
+        self.env_steps, self.returns = 0, []
+
+    def advance(self, env_steps, info):
+        self.env_steps += env_steps
+        self.returns += info["episode"]["return"][info["_episode"]].tolist()
+
+
 def test_truncation_bootstraps_from_the_final_observation():
     env = CountingEnv()
     obs, _ = env.reset()
-    batch, _, stats = collect_ppo(env, HistoryEnv(env, ObsHistory(1)), ValueIsTimeActor(), obs, 4)
+    loop = EpisodeRecorder()
+    batch, _ = collect_ppo(env, HistoryEnv(env, ObsHistory(1)), ValueIsTimeActor(), obs, 4, loop)
     # env 0: t = 0,1,2 then truncated at t=3 (final obs t=3 -> V=30), then t=0 again
     assert batch["truncated"][:, 0].tolist() == [0, 0, 1, 0]
     assert batch["next_value"][:, 0].tolist() == [10, 20, 30, 10]
@@ -66,17 +78,17 @@ def test_truncation_bootstraps_from_the_final_observation():
                              batch["truncated"], gamma, 1.0)
     assert advantages[2, 0] == torch.tensor(1 + gamma * 30 - 20)  # bootstrapped, not carried over
     assert advantages[1, 1] == torch.tensor(1 - 10.0)  # terminated: no bootstrap
-    assert stats["episodes"] == 3
+    assert len(loop.returns) == 3 and loop.env_steps == 4 * env.num_envs
 
 
 def test_sparse_reward_pays_one_on_the_step_that_succeeds():
     env = CountingEnv()
     obs, _ = env.reset()
-    batch, _, stats = collect_ppo(env, HistoryEnv(env, ObsHistory(1)), ValueIsTimeActor(), obs, 4,
-                                  sparse_reward=True)
+    loop = EpisodeRecorder()
+    batch, _ = collect_ppo(env, HistoryEnv(env, ObsHistory(1)), ValueIsTimeActor(), obs, 4, loop, sparse_reward=True)
     # env 1 "succeeds" (terminates) at t=2 and t=4; env 0 never does; stats keep the env return
     assert batch["reward"].tolist() == [[0, 0], [0, 1], [0, 0], [0, 1]]
-    assert stats["returns"] == [1.0, 1.0, 1.0]
+    assert loop.returns == [1.0, 1.0, 1.0]
 
 
 def test_grpo_groups_share_initial_states_and_filter_constant_groups():

@@ -1,0 +1,172 @@
+"""The run bookkeeping every fine-tuning algorithm shares (algos/common.py): the crash-safe
+checkpoint swap, the run_dir lock, divergence, resume refusals and exact resume."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from embodied_rl.algos.common import FinetuneLoop, find_checkpoint, write_checkpoint
+from embodied_rl.cli import main
+from embodied_rl.errors import Diverged, UserError
+from embodied_rl.runs import Run, read_metrics
+from tests.test_finetune_cli import TINY, checkpoints  # noqa: F401  (a module fixture)
+
+
+def fill_with(step):
+    def fill(directory):
+        state = directory / "training_state"
+        state.mkdir()
+        (state / "counters.json").write_text(json.dumps({"step": step}))
+
+    return fill
+
+
+def test_last_points_at_the_newest_and_old_checkpoints_are_pruned(tmp_path):
+    for step in (10, 20, 30, 40):
+        write_checkpoint(tmp_path, step, fill_with(step))
+    assert (tmp_path / "last").is_symlink() and os.readlink(tmp_path / "last") == "40"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["20", "30", "40", "last"]
+    assert find_checkpoint(tmp_path) == tmp_path / "40"
+
+
+def test_resume_repairs_what_a_kill_left_and_never_deletes_a_complete_checkpoint(tmp_path):
+    write_checkpoint(tmp_path, 10, fill_with(10))
+    # killed after writing step 20 completely but before renaming it into place
+    complete = tmp_path / ".20.abc.tmp"
+    complete.mkdir()
+    fill_with(20)(complete)
+    # killed while writing step 30: no counters.json yet
+    (tmp_path / ".30.def.tmp" / "training_state").mkdir(parents=True)
+    # the older layout's swap: `last` moved aside, the new one not yet in place
+    old_layout = tmp_path / ".last.old"
+    old_layout.mkdir()
+    fill_with(15)(old_layout)
+    assert find_checkpoint(tmp_path) == tmp_path / "20"
+    assert os.readlink(tmp_path / "last") == "20"
+    assert not (tmp_path / ".30.def.tmp").exists()  # the incomplete write is gone
+    assert (tmp_path / "10").is_dir() and old_layout.is_dir()  # complete checkpoints stay
+
+
+def test_no_last_directory_of_the_older_layout_is_lost(tmp_path):
+    last = tmp_path / "last"
+    last.mkdir()
+    fill_with(50)(last)
+    write_checkpoint(tmp_path, 10, fill_with(10))  # an older step does not win
+    assert find_checkpoint(tmp_path) == tmp_path / "50"
+
+
+def test_one_process_per_run_dir(tmp_path):
+    first = Run(tmp_path / "run")
+    with pytest.raises(UserError, match="in use by process"):
+        Run(tmp_path / "run", allow_existing=True)
+    first.close()
+    Run(tmp_path / "run", allow_existing=True).close()  # a released (or dead process's) lock is taken over
+
+
+def test_metrics_record_non_finite_values(tmp_path):
+    run = Run(tmp_path / "run")
+    run.log(1, {"a": float("nan"), "b": float("inf"), "c": 2.0})
+    run.close()
+    line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
+    assert line == {"step": 1, "a": "nan", "b": "inf", "c": 2.0}
+    row = read_metrics(tmp_path / "run")[0]
+    assert math.isnan(row["a"]) and row["b"] == math.inf
+
+
+RESIDUAL = ["algo=residual_ppo", "algo.num_steps=8", "algo.actor_kwargs.hidden=16"]
+
+
+def test_divergence_stops_with_exit_3_and_one_line(checkpoints, tmp_path, capsys):  # noqa: F811
+    run_dir = tmp_path / "run"
+    code = main(["finetune", f"checkpoint={checkpoints / 'flow'}", "env_steps=320", "eval_every=0",
+                 "algo.critic_lr=1e30", f"run_dir={run_dir}", *TINY, *RESIDUAL])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "diverged at env step 32: train/loss is not finite" in err and len(err.strip().splitlines()) == 1
+    assert not (run_dir / "checkpoints").exists()  # nothing non-finite was written
+    assert read_metrics(run_dir)[-1]["train/value_loss"] == math.inf  # recorded as such
+
+
+def test_non_finite_weights_are_never_checkpointed(tmp_path):
+    cfg = OmegaConf.create({"env_steps": 100, "checkpoint_every": 10, "log_every": 10, "save_replay": True,
+                            "eval_every": 0})
+    net = torch.nn.Linear(2, 2)
+    run = Run(tmp_path / "run")
+    loop = FinetuneLoop(cfg, run, make_eval_agent=None)
+    loop.resume({"net": net}, {}, write_agent=lambda directory: None)
+    loop.counters["env_steps"] = 10
+    loop.save({})
+    with torch.no_grad():
+        net.weight[0, 0] = float("nan")
+    loop.counters["env_steps"] = 20
+    with pytest.raises(Diverged, match="weights.net.weight is not finite .checkpoints/last holds env step 10"):
+        loop.save({})
+    last = torch.load(run.file("checkpoints", "last", "training_state", "state.pt"), weights_only=True)
+    assert torch.isfinite(last["modules"]["net"]["weight"]).all()
+    run.close()
+
+
+def test_resuming_with_other_settings_is_refused(checkpoints, tmp_path, capsys):  # noqa: F811
+    run_dir = tmp_path / "run"
+    common = [f"checkpoint={checkpoints / 'flow'}", "eval_every=0", f"run_dir={run_dir}", *TINY, *RESIDUAL]
+    assert main(["finetune", "env_steps=64", *common]) == 0
+    config = (run_dir / "config.yaml").read_text()
+    assert main(["finetune", "env_steps=64", "algo.lr=0.5", *common]) == 2
+    err = capsys.readouterr().err
+    assert "algo.lr=0.001 -> 0.5" in err
+    assert (run_dir / "config.yaml").read_text() == config  # nothing changed
+    assert main(["finetune", "env_steps=96", *common]) == 0  # a longer run is a safe change
+    assert "env_steps: 96" in (run_dir / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("bad,expected", [
+    ("algo.gamma=2.5", "algo.gamma must be in [0, 1]"),
+    ("algo.num_minibatches=0", "algo.num_minibatches must be >= 1"),
+    ("checkpoint_every=-1", "checkpoint_every must be >= 0"),
+])
+def test_bad_values_are_refused_before_any_run_dir(bad, expected, checkpoints, tmp_path, capsys):  # noqa: F811
+    run_dir = tmp_path / "run"
+    assert main(["finetune", f"checkpoint={checkpoints / 'flow'}", f"run_dir={run_dir}", bad, *TINY]) == 2
+    assert expected in capsys.readouterr().err
+    assert not run_dir.exists()
+
+
+def test_off_policy_values_are_refused(checkpoints, tmp_path, capsys):  # noqa: F811
+    for bad in ("algo.batch_size=0", "algo.learner=ddpg", "algo.tau=0"):
+        assert main(["finetune", "algo=residual_offpolicy", f"checkpoint={checkpoints / 'flow'}",
+                     f"run_dir={tmp_path / 'r'}", bad, *TINY[:-1]]) == 2
+        assert bad.split("=")[0] in capsys.readouterr().err
+
+
+def train_rows(run_dir):
+    """Training rows by step (the last one where a resumed run redid a step), timings dropped."""
+    rows = {}
+    for row in read_metrics(run_dir):
+        if any(k.startswith(("train/", "rollout/")) for k in row) and "train/wall_s" not in row:
+            rows[row["step"]] = {k: v for k, v in row.items() if not k.endswith(("_s", "sps"))}
+    return rows
+
+
+@pytest.mark.parametrize("algo,extra", [
+    ("residual_ppo", RESIDUAL[1:]),
+    ("dppo", ["algo.num_steps=4"]),
+    ("residual_offpolicy", ["algo.warmup_env_steps=16", "algo.critic_only_steps=16", "algo.batch_size=16",
+                            "algo.actor_hidden_sizes=[16,16]", "algo.critic_hidden_sizes=[16,16]"]),
+    ("dsrl", ["algo.warmup_env_steps=16", "algo.critic_only_steps=16", "algo.batch_size=16",
+              "algo.hidden_sizes=[16,16]"]),
+])
+def test_a_resumed_run_continues_exactly_as_if_never_stopped(algo, extra, checkpoints, tmp_path, capsys):  # noqa: F811
+    policy = "diffusion" if algo == "dppo" else "flow"
+    tiny = TINY if algo in ("residual_ppo", "dppo") else TINY[:-1]
+    common = [f"algo={algo}", f"checkpoint={checkpoints / policy}", "eval_every=64", "checkpoint_every=64",
+              *tiny, *extra]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert main(["finetune", "env_steps=192", f"run_dir={whole}", *common]) == 0, capsys.readouterr().err
+    assert main(["finetune", "env_steps=64", f"run_dir={parts}", *common]) == 0, capsys.readouterr().err
+    assert main(["finetune", "env_steps=192", f"run_dir={parts}", *common]) == 0, capsys.readouterr().err
+    expected, resumed = train_rows(whole), train_rows(parts)
+    assert len(expected) >= 4 and resumed == expected
