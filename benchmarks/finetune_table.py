@@ -2,7 +2,7 @@
 
     python benchmarks/finetune_table.py timing       # ReinFlow K=1/K=4 vs DPPO K=10 per iteration
     python benchmarks/finetune_table.py table --tasks push_t lift peg_insert \
-        --algos dppo residual_ppo residual_sac sac_scratch --seeds 0 1 2 --env-steps 500000
+        --algos dppo residual_ppo residual_offpolicy sac_scratch --seeds 0 1 2 --env-steps 500000
 
 `timing` runs the same number of envs and chunks per iteration for each actor on push_t with a
 freshly initialised policy of the default size (speed does not depend on the weights) and
@@ -39,7 +39,7 @@ def time_iteration(policy_type: str, steps: int, algo: str, num_envs: int, chunk
                          backbone_kwargs=dict(hidden_dim=256, num_blocks=3, time_dim=64), task="push_t")
     steps_per_iter = num_envs * chunks * policy.n_action_steps
     overrides = ["task=push_t", f"algo={algo}", "checkpoint=unused", f"num_envs={num_envs}", "eval_every=0",
-                 f"env_steps={steps_per_iter * repeats}", f"algo.num_steps={chunks}", "algo.checkpoint_every=0",
+                 f"env_steps={steps_per_iter * repeats}", f"algo.num_steps={chunks}", "checkpoint_every=0", "log_every=1",
                  "algo.critic_warmup_iters=0", "algo.target_kl=null"]
     if algo == "dppo":
         overrides.append("algo.actor_kwargs.ft_denoising_steps=0")

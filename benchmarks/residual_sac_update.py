@@ -8,7 +8,7 @@ Why it matters: on a CPU the update, not the simulator, sets residual SAC's wall
 (peg_insert, 64 envs, 10 critics, utd 0.5: ~95% of a run), and its cost grows linearly with the
 ensemble, so `algo.ensemble` and `algo.utd_ratio` together decide how many env steps fit in a
 budget. The batch is random data of peg_insert's sizes (obs 9, action 3); the configuration is
-configs/algo/residual_sac.yaml with the ensemble and critic width swapped. The last line is one
+configs/algo/residual_offpolicy.yaml with the ensemble and critic width swapped. The last line is one
 JSON object with the numbers.
 """
 
@@ -22,15 +22,15 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from embodied_rl.algos.sac import ResidualSAC
+from embodied_rl.algos.sac import ResidualOffPolicyConfig, ResidualSAC
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "algo" / "residual_sac.yaml"
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "algo" / "residual_offpolicy.yaml"
 
 
 def ms_per_update(ensemble: int, width: int, args: argparse.Namespace) -> float:
     algo = OmegaConf.merge(OmegaConf.load(CONFIG), {"ensemble": ensemble, "critic_hidden_sizes": [width, width]})
     device = torch.device(args.device)
-    learner = ResidualSAC(algo, args.obs_dim, args.action_dim, device, seed=0)
+    learner = ResidualSAC(ResidualOffPolicyConfig.from_cfg(algo), args.obs_dim, args.action_dim, device, seed=0)
     batch_size = int(algo.batch_size)
     generator = torch.Generator().manual_seed(0)
 

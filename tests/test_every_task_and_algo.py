@@ -20,7 +20,7 @@ ON_POLICY = {
 OFF_POLICY = {
     "dsrl": ["algo.hidden_sizes=[16,16]", "algo.batch_size=16"],
     "dsrl_na": ["algo.hidden_sizes=[16,16]", "algo.batch_size=16"],
-    "residual_sac": ["algo.actor_hidden_sizes=[16,16]", "algo.critic_hidden_sizes=[16,16]", "algo.ensemble=2",
+    "residual_offpolicy": ["algo.actor_hidden_sizes=[16,16]", "algo.critic_hidden_sizes=[16,16]", "algo.ensemble=2",
                      "algo.batch_size=16"],
 }
 

@@ -7,7 +7,7 @@ from embodied_rl.cli import main
 # the shipped fine-tuner (residual TD3, what `make demo` runs), with stages short enough to reach actor updates
 TINY = ["task=reach", "demos=6", "pretrain_steps=20", "finetune_env_steps=200",
         "finetune_num_envs=4", "finetune_eval_every=100", "finetune_eval_episodes=2", "eval_episodes=2", "videos=1",
-        "finetune_overrides.residual_sac=['algo.warmup_env_steps=40','algo.critic_only_steps=40','algo.batch_size=32']"]
+        "finetune_overrides.residual_offpolicy=['algo.warmup_env_steps=40','algo.critic_only_steps=40','algo.batch_size=32']"]
 
 
 def test_quickstart_writes_a_report_and_skips_finished_stages(tmp_path, capsys):
@@ -16,12 +16,12 @@ def test_quickstart_writes_a_report_and_skips_finished_stages(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "pretrained_success" in out and "finetuned_success" in out
     report = (run_dir / "report.md").read_text()
-    assert "| pretrained (flow BC) |" in report and "| fine-tuned (residual_sac) |" in report
+    assert "| pretrained (flow BC) |" in report and "| fine-tuned (residual_offpolicy) |" in report
     assert "plots/learning_curve.png" in report and (run_dir / "plots" / "learning_curve.png").exists()
     assert "3_eval_pretrained/videos/episode_0.mp4" in report
     for stage in ("1_collect", "2_pretrain", "3_eval_pretrained", "4_finetune", "5_eval_finetuned"):
         assert (run_dir / stage / "config.yaml").exists()
-    # finetune_overrides apply per algo: the ones given for residual_sac reach its finetune stage
+    # finetune_overrides apply per algo: the ones given for residual_offpolicy reach its finetune stage
     assert "warmup_env_steps: 40" in (run_dir / "4_finetune" / "config.yaml").read_text()
     metrics = [json.loads(line) for line in (run_dir / "4_finetune" / "metrics.jsonl").open()]
     assert any(row.get("train/phase") == 2 for row in metrics)  # the actor was trained, not only warmed up

@@ -12,7 +12,8 @@ updates, then actor updates.
 Truncation vs termination: a truncated episode bootstraps from info["final_obs"] (and the base
 action the base policy would have taken there); a terminated one does not bootstrap.
 
-`finetune(cfg, run, env, policy)` is the `embodied-rl finetune algo=residual_sac` entry point.
+`finetune(cfg, run, env, policy)` is the `embodied-rl finetune algo=residual_offpolicy` entry point
+(`algo=residual_sac` is its former name).
 """
 
 from __future__ import annotations
@@ -396,7 +397,7 @@ def _polyak(source: nn.Module, target: nn.Module, tau: float) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# embodied-rl finetune algo=residual_sac
+# embodied-rl finetune algo=residual_offpolicy
 # --------------------------------------------------------------------------------------------
 
 
