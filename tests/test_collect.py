@@ -45,7 +45,7 @@ def test_collect_pixels_and_failures_kept(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("demos=0", "demos must be >= 1"),
     ("quality=1.5", "quality must be in [0, 1]"),
-    ("num_envs=0", "num_envs must be >= 1"),
+    ("num_envs=0", "num_envs must be an integer >= 1"),
     ("task=nope", "unknown task 'nope'"),
     ("backend=bullet", "unknown backend 'bullet'"),
 ])

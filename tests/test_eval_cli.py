@@ -15,10 +15,10 @@ from embodied_rl.cli import main
     [
         ([], "checkpoint=DIR is required"),
         (["checkpoint={missing}"], "does not exist"),
-        (["checkpoint={existing}", "episodes=0"], "episodes must be >= 1"),
+        (["checkpoint={existing}", "episodes=0"], "episodes must be an integer >= 1"),
         (["checkpoint={existing}", "episodes=2", "videos=3"], "videos must be in [0, episodes=2]"),
-        (["checkpoint={existing}", "videos=-1"], "videos must be in"),
-        (["checkpoint={existing}", "num_envs=0"], "num_envs must be >= 1"),
+        (["checkpoint={existing}", "videos=-1"], "videos must be an integer >= 0"),
+        (["checkpoint={existing}", "num_envs=0"], "num_envs must be an integer >= 1"),
         (["checkpoint={existing}", "episodes=many"], "bad value for 'episodes'"),
         (["checkpoint={existing}", "task=nope"], "unknown task 'nope'"),
     ],

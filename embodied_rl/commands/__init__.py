@@ -1,13 +1,21 @@
 """One module per CLI command. Each has `main(cfg) -> (headline, run_dir)`: thin orchestration
-over the library layers (envs, data, policies, actors, algos, eval)."""
+over the library layers (envs, data, policies, actors, algos, eval); run_dir is None for a
+command that writes none (tasks). The checks commands share live here: `validate_common` (seed,
+sizes, device, backend, ...) and `checkpoint_task` (a checkpoint's task)."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from embodied_rl.errors import UserError
 from embodied_rl.runs import Run, default_run_dir
+
+OBS_MODES = ("state", "pixels")
 
 
 def start_run(cfg: DictConfig, command: str, allow_existing: bool = False) -> Run:
@@ -18,3 +26,104 @@ def start_run(cfg: DictConfig, command: str, allow_existing: bool = False) -> Ru
     run = Run(path, command=command, allow_existing=allow_existing)
     run.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     return run
+
+
+def _integer(cfg: DictConfig, key: str, low: int) -> int:
+    value = cfg[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise UserError(f"{key} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def check_device(device: Any) -> None:
+    """cpu, cuda or cuda:N, and CUDA only where torch can use it."""
+    device = str(device)
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise UserError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError(f"device={device} but torch cannot use CUDA here (no GPU or a CPU-only torch); "
+                            "use device=cpu")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise UserError(f"device={device} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def validate_common(cfg: DictConfig, min_eval_episodes: int = 1) -> None:
+    """Check the keys commands share (each where the command has it) before any work, so that a
+    bad value stops the command with one line and leaves no run directory.
+
+    `min_eval_episodes`: 0 where eval_episodes=0 means "no evaluation" (pretrain).
+    """
+    from embodied_rl.envs import BACKENDS
+
+    if "seed" in cfg:
+        _integer(cfg, "seed", 0)
+    if "num_envs" in cfg:
+        _integer(cfg, "num_envs", 1)
+    episodes = None
+    if "episodes" in cfg:
+        episodes = ("episodes", _integer(cfg, "episodes", 1))
+    elif "eval_episodes" in cfg:
+        episodes = ("eval_episodes", _integer(cfg, "eval_episodes", min_eval_episodes))
+    if cfg.get("videos") is not None:
+        videos = _integer(cfg, "videos", 0)
+        if episodes is not None and episodes[1] > 0 and videos > episodes[1]:
+            raise UserError(f"videos must be in [0, {episodes[0]}={episodes[1]}], got {videos}")
+    if "device" in cfg:
+        check_device(cfg.device)
+    if "backend" in cfg and cfg.backend not in BACKENDS:
+        raise UserError(f"unknown backend {cfg.backend!r} (choose from: {', '.join(BACKENDS)})")
+    if cfg.get("obs") is not None and cfg.obs not in OBS_MODES:
+        raise UserError(f"obs must be one of {', '.join(OBS_MODES)}, got {cfg.obs!r}")
+    for key, low in (("image_size", 8), ("video_size", 16)):  # the smallest frames worth rendering
+        if key in cfg:
+            _integer(cfg, key, low)
+
+
+def recorded_task(policy: Any, path: Path) -> str | None:
+    """The task a policy checkpoint records (config.json "task", or its policy or extra
+    section), if any."""
+    for source in (policy, getattr(policy, "config", None)):
+        if source is None:
+            continue
+        value = source.get("task") if isinstance(source, dict) else getattr(source, "task", None)
+        if isinstance(value, str) and value:
+            return value
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    extra = config.get("extra") if isinstance(config.get("extra"), dict) else {}
+    for value in (config.get("task"), extra.get("task")):
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def checkpoint_task(policy: Any, path: Path, requested: str | None) -> str:
+    """The task to run a policy checkpoint on: the one it records, which must be a known task,
+    agree with task= when that is given, and match the policy's observation and action sizes.
+    Anything else is a UserError (eval and finetune refuse the same checkpoints)."""
+    from embodied_rl.envs.registry import TASKS, task_class
+
+    trained_on = recorded_task(policy, path)
+    if trained_on is None:
+        raise UserError(f"checkpoint '{path}' does not record the task it was trained on "
+                        "(config.json 'task'), so it cannot be checked against one")
+    if trained_on not in TASKS:
+        raise UserError(f"checkpoint '{path}' was trained on task '{trained_on}', which is not a known task "
+                        f"(known: {', '.join(TASKS)})")
+    if requested is not None and requested != trained_on:
+        raise UserError(f"checkpoint '{path}' was trained on task '{trained_on}' but task={requested}; "
+                        f"pass task={trained_on}")
+    task = task_class(trained_on)
+    sizes = (getattr(policy, "obs_dim", None), getattr(policy, "action_dim", None))
+    if sizes != (task.obs_dim, task.action_dim):
+        raise UserError(f"checkpoint '{path}' has observation and action sizes {sizes}, but task '{trained_on}' "
+                        f"has {(task.obs_dim, task.action_dim)}")
+    return trained_on

@@ -24,9 +24,11 @@ from embodied_rl.runs import progress
 
 def validate(cfg: DictConfig) -> dict[str, Any]:
     """Check the config before any work; return the task's options (envs.task_overrides)."""
+    from embodied_rl.commands import validate_common
     from embodied_rl.envs import task_overrides
 
-    task_options = task_overrides(cfg.task)  # first: a contradicting task key names itself
+    validate_common(cfg)
+    task_options = task_overrides(cfg.task)
     if cfg.task.get("expert") is False:
         raise UserError(f"task '{cfg.task.name}' has no scripted expert, so collect cannot make demos for it")
     # demos and quality default to the task's (configs/task/<task>.yaml)
@@ -38,8 +40,6 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
         raise UserError(f"demos must be >= 1, got {cfg.demos}")
     if not 0.0 <= float(cfg.quality) <= 1.0:
         raise UserError(f"quality must be in [0, 1], got {cfg.quality}")
-    if cfg.num_envs < 1:
-        raise UserError(f"num_envs must be >= 1, got {cfg.num_envs}")
     if cfg.max_episodes is not None and cfg.max_episodes < cfg.demos:
         raise UserError(f"max_episodes ({cfg.max_episodes}) must be >= demos ({cfg.demos})")
     if cfg.out is not None and Path(cfg.out).exists():

@@ -19,20 +19,15 @@ from embodied_rl.errors import UserError
 
 def validate(cfg: DictConfig) -> Path:
     """Check the config before any work; return the checkpoint path."""
+    from embodied_rl.commands import validate_common
+
     checkpoint = cfg.get("checkpoint")
     if checkpoint in (None, ""):
         raise UserError("checkpoint=DIR is required (a policy checkpoint directory)")
+    validate_common(cfg)
     path = Path(str(checkpoint)).expanduser()
     if not path.exists():
         raise UserError(f"checkpoint '{path}' does not exist")
-    if int(cfg.episodes) < 1:
-        raise UserError(f"episodes must be >= 1, got {cfg.episodes}")
-    if cfg.videos is not None and not 0 <= int(cfg.videos) <= int(cfg.episodes):
-        raise UserError(f"videos must be in [0, episodes={cfg.episodes}], got {cfg.videos}")
-    if int(cfg.num_envs) < 1:
-        raise UserError(f"num_envs must be >= 1, got {cfg.num_envs}")
-    if int(cfg.video_size) < 16:
-        raise UserError(f"video_size must be >= 16 pixels, got {cfg.video_size}")
     return path
 
 
@@ -49,43 +44,6 @@ def load_checkpoint(path: Path, device: str = "cpu") -> Any:
         raise UserError(f"cannot load checkpoint '{path}': {type(error).__name__}: {error}") from None
 
 
-def checkpoint_task(policy: Any, path: Path) -> str | None:
-    """The task a checkpoint was trained on, if it records one."""
-    for source in (policy, getattr(policy, "config", None)):
-        if source is None:
-            continue
-        value = source.get("task") if isinstance(source, dict) else getattr(source, "task", None)
-        if isinstance(value, str) and value:
-            return value
-    config_file = path / "config.json"  # {"task": ...} or {"extra": {"task": ...}}
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(config, dict):
-        return None
-    extra = config.get("extra") if isinstance(config.get("extra"), dict) else {}
-    for value in (config.get("task"), extra.get("task")):
-        if isinstance(value, str) and value:
-            return value
-    return None
-
-
-def resolve_task(cfg: DictConfig, policy: Any, path: Path) -> str:
-    requested = OmegaConf.select(cfg, "task.name", default=None)
-    trained_on = checkpoint_task(policy, path)
-    if requested is None:
-        if trained_on is None:
-            raise UserError(f"task= is required: checkpoint '{path}' does not record its task")
-        return trained_on
-    if trained_on is not None and trained_on != requested:
-        raise UserError(
-            f"checkpoint '{path}' was trained on task '{trained_on}' but task={requested}; "
-            f"pass task={trained_on} or leave task= out"
-        )
-    return requested
-
-
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     from embodied_rl.actors import AGENT_FILE, BASE_POLICY, load_agent, resolve_checkpoint
 
@@ -93,10 +51,12 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
 
     finetuned = (checkpoint / AGENT_FILE).is_file()  # an RL checkpoint: its actor acts
     policy = load_checkpoint(checkpoint / BASE_POLICY if finetuned else checkpoint, str(cfg.device))
-    task = resolve_task(cfg, policy, checkpoint)
+    from embodied_rl.commands import checkpoint_task, start_run
+
+    # without task=, the checkpoint's own task
+    task = checkpoint_task(policy, checkpoint, OmegaConf.select(cfg, "task.name", default=None))
 
     import embodied_rl.envs as envs
-    from embodied_rl.commands import start_run
     from embodied_rl.eval.evaluate import evaluate, format_headline
     from embodied_rl.policies import PolicyRunner
 

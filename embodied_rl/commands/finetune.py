@@ -33,7 +33,9 @@ ALGOS: dict[str, str] = {
 def validate(cfg: DictConfig) -> Path:
     """Check the config before any work; return the base checkpoint directory."""
     from embodied_rl.actors import resolve_checkpoint
+    from embodied_rl.commands import validate_common
 
+    validate_common(cfg)
     if cfg.algo.name not in ALGOS:
         raise UserError(f"unknown algo '{cfg.algo.name}' (choose from: {', '.join(ALGOS)})")
     if cfg.get("checkpoint") in (None, ""):
@@ -104,12 +106,11 @@ def check_previous_run(cfg: DictConfig) -> None:
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     checkpoint = validate(cfg)
     policy = load_base_policy(checkpoint, str(cfg.device))
-    trained_on = getattr(policy, "task", None)
-    if trained_on and trained_on != cfg.task.name:
-        raise UserError(f"checkpoint '{checkpoint}' was trained on task '{trained_on}' but task={cfg.task.name}")
+    from embodied_rl.commands import checkpoint_task, start_run
+
+    checkpoint_task(policy, checkpoint, cfg.task.name)
 
     import embodied_rl.envs as envs
-    from embodied_rl.commands import start_run
 
     module = importlib.import_module(ALGOS[cfg.algo.name])
     env = envs.make(cfg.task.name, num_envs=int(cfg.num_envs), backend=cfg.backend,

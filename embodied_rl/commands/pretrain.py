@@ -30,8 +30,11 @@ def _positive(cfg: DictConfig, key: str, allow_none: bool = False, allow_zero: b
 
 def validate(cfg: DictConfig) -> None:
     """Check the config before any work."""
+    from embodied_rl.commands import validate_common
+
     if cfg.get("data") in (None, ""):
         raise UserError("data=PATH is required (a demo dataset from `embodied-rl collect`)")
+    validate_common(cfg, min_eval_episodes=0)
     if not Path(str(cfg.data)).expanduser().exists():
         raise UserError(f"dataset '{cfg.data}' does not exist")
     if OmegaConf.select(cfg, "steps") is None:  # steps defaults to the task's pretrain_steps

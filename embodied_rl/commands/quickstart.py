@@ -45,10 +45,12 @@ def run_stage(command: str, module: str, overrides: list[str], run_dir: Path, do
 
 
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
+    from embodied_rl.commands import start_run, validate_common
+
+    validate_common(cfg)
     for key in ("demos", "finetune_env_steps", "finetune_num_envs", "eval_episodes", "finetune_eval_episodes"):
         if int(cfg[key]) < 1:
             raise UserError(f"{key} must be >= 1, got {cfg[key]}")
-    from embodied_rl.commands import start_run
 
     run = start_run(cfg, "quickstart", allow_existing=bool(cfg.run_dir))
     root = run.path
