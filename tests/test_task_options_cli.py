@@ -73,3 +73,18 @@ def test_a_contradicting_task_key_is_one_line_and_leaves_no_run_dir(override, me
     err = capsys.readouterr().err.strip()
     assert message in err and err.count("\n") == 0
     assert not run_dir.exists()
+
+
+def test_quickstart_hands_the_task_keys_to_its_stages(monkeypatch, tmp_path):
+    from embodied_rl.commands import quickstart
+
+    class Stop(Exception):
+        pass
+
+    def first_stage(command, module, overrides, run_dir, done, resumable=False):
+        raise Stop(overrides)
+
+    monkeypatch.setattr(quickstart, "run_stage", first_stage)
+    with pytest.raises(Stop) as stopped:
+        main(["quickstart", *SHORT, f"run_dir={tmp_path / 'qs'}"])
+    assert "task.max_episode_steps=7" in stopped.value.args[0]
