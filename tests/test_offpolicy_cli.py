@@ -29,7 +29,7 @@ def bc_checkpoint(tmp_path_factory):
                  "action": rng.uniform(-1, 1, (10, 2)).astype(np.float32),
                  "reward": np.zeros(10, np.float32), "success": False} for _ in range(2)]
     data = write_demos(root / "demos", episodes, {"task": "reach", "obs_dim": 8, "action_dim": 2})
-    return save_policy(tiny_policy(), root / "policy", extra={"dataset": str(data)})
+    return save_policy(tiny_policy(task="reach"), root / "policy", extra={"dataset": str(data)})
 
 
 def finetune_args(algo, checkpoint, run_dir, env_steps=240):

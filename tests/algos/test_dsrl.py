@@ -13,12 +13,13 @@ from embodied_rl.data.normalizer import Normalizer
 from embodied_rl.policies import make_policy
 
 
-def tiny_policy(obs_dim: int = 8, action_dim: int = 2, seed: int = 0):
+def tiny_policy(obs_dim: int = 8, action_dim: int = 2, seed: int = 0, task: str | None = None):
     torch.manual_seed(seed)
     normalizer = Normalizer.empty_like({"obs": obs_dim, "action": action_dim})
     policy = make_policy(
         "flow", obs_dim=obs_dim, action_dim=action_dim, normalizer=normalizer, n_obs_steps=2,
         horizon=4, n_action_steps=2, num_inference_steps=2, backbone_kwargs={"hidden_dim": 16, "num_blocks": 1},
+        task=task,
     )
     return policy.eval().requires_grad_(False)
 
