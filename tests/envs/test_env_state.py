@@ -69,9 +69,8 @@ def test_snapshot_of_pixel_observations():
 
 
 def test_snapshot_keeps_an_unstable_env_pending():
-    from tests.envs.test_mujoco_cpu import PoisonedReach
-
     from embodied_rl.envs.backends.mujoco_cpu import MujocoCpuEnv
+    from tests.envs.test_mujoco_cpu import PoisonedReach
 
     env_a = MujocoCpuEnv(PoisonedReach(), num_envs=3, threads=1)
     env_a.reset(seed=0)  # envs 0 and 1 were written broken: their next step is unstable
