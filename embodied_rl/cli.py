@@ -2,9 +2,10 @@
 
     embodied-rl <command> [key=value ...]
 
-Each command composes its Hydra config (configs/<command>.yaml plus groups task/, policy/,
-algo/, sim/), validates it before doing any work, runs in one run directory, and prints the
-headline numbers and the run directory at the end. Bad input exits with code 2 and one line.
+Each command composes its Hydra config (configs/<command>.yaml plus the groups task/, policy/
+and algo/), validates it before doing any work, runs in one run directory, and prints the
+headline numbers and the run directory at the end (`tasks` only prints its table). Bad input
+exits with code 2 and one line; a training run that diverges exits with code 3 and one line.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from embodied_rl.errors import Diverged, UserError
 from embodied_rl.paths import config_dir
 
-# command -> (one-line help, module with `run(cfg, run) -> dict`)
+# command -> (one-line help, module with `main(cfg) -> (headline, run_dir)`)
 COMMANDS: dict[str, tuple[str, str]] = {
     "collect": ("run a scripted expert and write a demo dataset", "embodied_rl.commands.collect"),
     "pretrain": ("behaviour-clone a policy from demos", "embodied_rl.commands.pretrain"),
@@ -36,7 +37,7 @@ Make pretrained robot policies better with reinforcement learning in simulation.
 commands:
 {commands}
 
-Every command takes Hydra overrides (key=value) and run_dir=PATH.
+Every command takes Hydra overrides (key=value); those that write a run directory take run_dir=PATH.
 `embodied-rl <command> --help` prints the command's full config.
 """
 

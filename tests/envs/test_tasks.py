@@ -1,7 +1,8 @@
-"""The built-in tasks beyond reach: push_t, lift, peg_insert, hopper (native MuJoCo backend).
+"""Every registered task beyond reach (tests/envs/test_reach.py), on the native MuJoCo backend.
 
-Each task: make/reset/step with random actions (shapes, finite values), seeding, and success (or
-failure, for hopper) on hand-constructed states through the task's own evaluate().
+Each task: make/reset/step with random actions (shapes, finite values), seeding, its config
+against its class; and success (or failure, for hopper) on hand-constructed states through the
+task's own evaluate(). A task added to the registry is picked up here.
 """
 
 import math
@@ -13,11 +14,12 @@ import torch
 import yaml
 
 from embodied_rl.envs.api import SimState
+from embodied_rl.envs.registry import TASKS as REGISTERED_TASKS
 from embodied_rl.envs.registry import make, make_task, task_overrides
 from embodied_rl.errors import UserError
 from embodied_rl.paths import config_dir
 
-TASKS = ["push_t", "lift", "peg_insert", "hopper"]
+TASKS = [name for name in REGISTERED_TASKS if name != "reach"]
 
 
 def state_from_qpos(task, qpos: torch.Tensor) -> SimState:
