@@ -7,7 +7,7 @@ from embodied_rl.cli import main
 # the shipped fine-tuner (residual TD3, what `make demo` runs), with stages short enough to reach actor updates
 TINY = ["task=reach", "demos=6", "pretrain_steps=20", "finetune_env_steps=200",
         "finetune_num_envs=4", "finetune_eval_every=100", "finetune_eval_episodes=2", "eval_episodes=2", "videos=1",
-        "finetune_overrides.residual_offpolicy=['algo.warmup_env_steps=40','algo.critic_only_steps=40','algo.batch_size=32']"]
+        "finetune_overrides.residual_offpolicy=['algo.warmup_env_steps=40','algo.critic_only_steps=40','algo.batch_size=32','log_every=40']"]
 
 
 def test_quickstart_writes_a_report_and_skips_finished_stages(tmp_path, capsys):
