@@ -94,7 +94,9 @@ def _finished(run_dir: Path, env_steps: int) -> bool:
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").open() if line.strip()]
+    from embodied_rl.runs import read_metrics
+
+    return read_metrics(run_dir)
 
 
 def bc_checkpoint(task: str, given: dict[str, str], root: Path) -> Path:

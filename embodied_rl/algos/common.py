@@ -366,6 +366,7 @@ class FinetuneLoop:
         self.optimizers: dict[str, Any] = {}
         self.write_agent: Callable[[Path], None] | None = None
         self.resumed_from: Path | None = None
+        self.saved_step: int | None = None  # the env step of the newest checkpoint this run holds
         self.episode_returns: list[float] = []  # episodes finished in the current logging window
         self.episode_successes: list[float] = []
         self.evaluator: Evaluator | None = None
@@ -403,6 +404,7 @@ class FinetuneLoop:
             self.counters.pop("step", None)
             self.episode_returns = state["window"]["returns"].tolist()
             self.episode_successes = state["window"]["successes"].tolist()
+            self.saved_step = self.env_steps
             loop_state = dict(state["loop"])
             if (state_dir / REPLAY).exists():
                 loop_state["replay"] = torch.load(state_dir / REPLAY, weights_only=True)
@@ -443,8 +445,8 @@ class FinetuneLoop:
             self._diverged(quantity)
 
     def _diverged(self, quantity: str) -> None:
-        last = find_checkpoint(self.run.file("checkpoints"))
-        kept = f"checkpoints/last holds env step {_checkpoint_step(last)}" if last else "no checkpoint was written"
+        kept = (f"checkpoints/last holds env step {self.saved_step}" if self.saved_step is not None
+                else "no checkpoint was written")
         raise Diverged(f"training diverged at env step {self.env_steps}: {quantity} is not finite ({kept})")
 
     def log(self, metrics: dict[str, Any], force: bool = False) -> bool:
@@ -497,6 +499,7 @@ class FinetuneLoop:
             (state_dir / COUNTERS).write_text(json.dumps(counters) + "\n")  # last: marks it complete
 
         path = write_checkpoint(self.run.file("checkpoints"), self.env_steps, fill)
+        self.saved_step = self.env_steps
         self.next_checkpoint = _next_multiple(self.env_steps, self.checkpoint_every)
         return path
 
@@ -507,8 +510,7 @@ class FinetuneLoop:
         headline the CLI prints."""
         if self.bar is not None:
             self.bar.close()
-        last = find_checkpoint(self.run.file("checkpoints"))
-        if last is None or _checkpoint_step(last) != self.env_steps:
+        if self.saved_step != self.env_steps:
             self.save(loop_state)
         evaluator = self.evaluator
         info = evaluator.last_info

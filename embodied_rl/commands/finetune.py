@@ -15,6 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from embodied_rl.errors import UserError
+from embodied_rl.runs import LOCK_FILE
 
 ALGOS: dict[str, str] = {
     "residual_ppo": "embodied_rl.algos.ppo",
@@ -88,7 +89,7 @@ def check_previous_run(cfg: DictConfig) -> None:
     if not cfg.get("run_dir"):
         return
     path = Path(str(cfg.run_dir))
-    if not path.is_dir() or not any(p.name != ".lock" for p in path.iterdir()):
+    if not path.is_dir() or not any(p.name != LOCK_FILE for p in path.iterdir()):
         return
     previous = path / "config.yaml"
     if not previous.is_file():
