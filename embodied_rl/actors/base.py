@@ -14,7 +14,11 @@
 - `stash` is a dict of tensors with leading N: everything `evaluate` needs (the sampled chain,
   the chosen step, the base action), so `evaluate(obs, act(obs).stash)` gives back exactly
   `act`'s logprob: the importance ratio is 1 before the first update.
-- The critic (`get_value(obs [N, D]) -> [N]`) sees the latest env observation. `out.value` is the
+- Observations are what the env returns: a Tensor [N, D], or a dict of [N, ...] entries
+  ("state", "pixels", "instruction"); chunk actors take their history, [N, n_obs_steps, ...].
+  Heads and critics read the frozen base policy's features (`policy.obs_features` per step,
+  `policy.encode_obs` per history), never the raw state, so they work for every observation type.
+- The critic (`get_value(obs) -> [N]`) sees the latest env observation. `out.value` is the
   value of the MDP state `act` acted in, `next_value(next_obs)` that of the state that follows
   (before the actor acts on it), and `value_loss(...)` regresses the critic on the returns; by
   default all three are `get_value` on the env observation. The residual actor's
@@ -32,7 +36,8 @@ import torch
 from torch import Tensor, nn
 
 from embodied_rl import core
-from embodied_rl.policies.runner import ChunkExecutor, ObsHistory
+from embodied_rl.policies.base import Obs
+from embodied_rl.policies.runner import ChunkExecutor, ObsHistory, first_tensor, map_obs
 
 
 @dataclass
@@ -66,15 +71,16 @@ def layer_norm_mlp(input_dim: int, output_dim: int, hidden_sizes: list[int], act
 
 
 class Critic(nn.Module):
-    """V(obs) on the env observation [N, D], normalised with the base policy's obs statistics."""
+    """V(obs) on the base policy's features of the env observation (`policy.obs_features`:
+    normalised state, image features, instruction embedding), so it fits every policy."""
 
     def __init__(self, policy: nn.Module, hidden: int = 256, layers: int = 2):
         super().__init__()
-        self._normalize = policy.normalizer.normalize  # a bound method: not a submodule
-        self.net = mlp(policy.obs_dim, 1, hidden, layers)
+        self._features = policy.obs_features  # a bound method of the frozen policy: not a submodule
+        self.net = mlp(policy.feature_dim, 1, hidden, layers)
 
-    def forward(self, obs: Tensor) -> Tensor:
-        return self.net(self._normalize("obs", obs.float())).squeeze(-1)
+    def forward(self, obs: Obs) -> Tensor:
+        return self.net(self._features(obs)).squeeze(-1)
 
 
 def gaussian_logprob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
@@ -97,27 +103,27 @@ class Actor(nn.Module):
     n_action_steps: int = 1
     num_logprob_positions: int = 1
 
-    def act(self, obs: Tensor, deterministic: bool = False) -> ActorOutput:
+    def act(self, obs: Obs, deterministic: bool = False) -> ActorOutput:
         raise NotImplementedError
 
-    def evaluate(self, obs: Tensor, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    def evaluate(self, obs: Obs, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
-    def get_value(self, obs: Tensor) -> Tensor:
+    def get_value(self, obs: Obs) -> Tensor:
         return self.critic(obs)
 
-    def next_value(self, next_obs: Tensor) -> Tensor:
+    def next_value(self, next_obs: Obs) -> Tensor:
         """V of the state reached, before the actor acts on it (GAE's bootstrap) [N]."""
         return self.get_value(next_obs)
 
-    def value_loss(self, obs: Tensor, stash: dict[str, Tensor], old_value: Tensor, returns: Tensor,
+    def value_loss(self, obs: Obs, stash: dict[str, Tensor], old_value: Tensor, returns: Tensor,
                    mask: Tensor, clip: float | None) -> Tensor:
         """The critic's regression on the returns of the states the rollout acted in."""
         return core.value_loss(self.get_value(self.latest_obs(obs)), old_value, returns, mask, clip=clip)[0]
 
-    def latest_obs(self, obs: Tensor) -> Tensor:
-        """The env observation [N, D] inside what `act` takes."""
-        return obs[:, -1] if self.chunked else obs
+    def latest_obs(self, obs: Obs) -> Obs:
+        """The env observation (one step per env) inside what `act` takes."""
+        return map_obs(lambda o: o[:, -1], obs) if self.chunked else obs
 
     def reset(self, mask: Tensor) -> None:
         """Forget per-env state where mask is set (the residual actor's base-policy queue)."""
@@ -134,8 +140,9 @@ class Actor(nn.Module):
         """This actor for an eval env of `num_envs` copies (same weights, own per-env state)."""
         return self
 
-    def base_kl(self, obs: Tensor, stash: dict[str, Tensor]) -> Tensor:
-        return torch.zeros(obs.shape[0], device=obs.device)
+    def base_kl(self, obs: Obs, stash: dict[str, Tensor]) -> Tensor:
+        reference = first_tensor(obs)
+        return torch.zeros(reference.shape[0], device=reference.device)
 
     def clip_coefs(self, clip: float) -> list[float]:
         return [clip] * self.num_logprob_positions
@@ -185,8 +192,9 @@ class HistoryEnv:
         if env_ids is None:
             self.history.reset(obs)
         else:
-            mask = torch.zeros(self.num_envs, dtype=torch.bool, device=obs.device)
-            mask[torch.as_tensor(env_ids, device=obs.device)] = True
+            device = first_tensor(obs).device
+            mask = torch.zeros(self.num_envs, dtype=torch.bool, device=device)
+            mask[torch.as_tensor(env_ids, device=device)] = True
             self.history.reset(obs, mask)
         return obs, info
 
@@ -210,7 +218,7 @@ class ActorAgent(ChunkExecutor):
         self.actor.reset(mask)
 
     @torch.no_grad()
-    def act(self, obs: Tensor) -> Tensor:
+    def act(self, obs: Obs) -> Tensor:
         if not self.actor.chunked:
             return self.actor.act(obs, deterministic=self.deterministic).actions
         return super().act(obs)
@@ -246,7 +254,7 @@ class ChainActor(Actor):
         self.critic = Critic(policy, critic_hidden)
 
     @torch.no_grad()
-    def encode(self, obs: Tensor) -> Tensor:
+    def encode(self, obs: Obs) -> Tensor:
         return self.policy.encode_obs(obs)
 
     def to_actions(self, x: Tensor) -> Tensor:

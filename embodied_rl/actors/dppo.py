@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from embodied_rl.actors.base import ActorOutput, ChainActor, gaussian_entropy, gaussian_logprob
+from embodied_rl.policies.base import Obs
 
 
 class DPPOActor(ChainActor):
@@ -60,7 +61,7 @@ class DPPOActor(ChainActor):
         self.num_logprob_positions = ft_steps
 
     @torch.no_grad()
-    def act(self, obs: Tensor, deterministic: bool = False) -> ActorOutput:
+    def act(self, obs: Obs, deterministic: bool = False) -> ActorOutput:
         cond = self.encode(obs)
         x = torch.randn((len(cond), *self.policy.noise_shape), device=cond.device)
         chain = []
@@ -82,7 +83,7 @@ class DPPOActor(ChainActor):
         mean, std = model.step_mean_std(chain[:, k], self.first_ft + k, cond, self.eta)
         return mean, std.clamp_min(self.min_logprob_std)
 
-    def evaluate(self, obs: Tensor, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    def evaluate(self, obs: Obs, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         cond = self.encode(obs)
         chain = stash["chain"]
         logprobs, entropies = [], []
@@ -92,7 +93,7 @@ class DPPOActor(ChainActor):
             entropies.append(self.chunk_mean(gaussian_entropy(std)))
         return torch.stack(logprobs, dim=1), torch.stack(entropies, dim=1)
 
-    def base_kl(self, obs: Tensor, stash: dict[str, Tensor]) -> Tensor:
+    def base_kl(self, obs: Obs, stash: dict[str, Tensor]) -> Tensor:
         """KL between the fine-tuned and the base transitions at the stashed chain states."""
         cond = self.encode(obs)
         chain = stash["chain"]

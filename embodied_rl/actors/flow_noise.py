@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from embodied_rl.actors.base import ActorOutput, ChainActor, gaussian_entropy, gaussian_logprob, mlp
+from embodied_rl.policies.base import Obs
 
 
 class FlowNoiseActor(ChainActor):
@@ -40,11 +41,7 @@ class FlowNoiseActor(ChainActor):
                             critic_hidden=critic_hidden)
         self.log_min, self.log_max = math.log(min_std), math.log(max_std)
         chunk = policy.horizon * policy.action_dim
-        cond_dim = policy.encode_obs(torch.zeros(1, policy.n_obs_steps, policy.obs_dim)).shape[-1] \
-            if policy.obs_mode == "state" else None
-        if cond_dim is None:
-            raise ValueError("flow_noise supports state observations only")
-        self.noise_net = mlp(chunk + 1 + cond_dim, chunk, noise_hidden, 2)
+        self.noise_net = mlp(chunk + 1 + policy.cond_dim, chunk, noise_hidden, 2)
         self.times = policy.timesteps().float()
 
     def noise_std(self, x: Tensor, i: int, cond: Tensor) -> Tensor:
@@ -55,7 +52,7 @@ class FlowNoiseActor(ChainActor):
         return log_std.exp()
 
     @torch.no_grad()
-    def act(self, obs: Tensor, deterministic: bool = False) -> ActorOutput:
+    def act(self, obs: Obs, deterministic: bool = False) -> ActorOutput:
         cond = self.encode(obs)
         x = torch.randn((len(cond), *self.policy.noise_shape), device=cond.device)
         chain = [x]
@@ -71,7 +68,7 @@ class FlowNoiseActor(ChainActor):
         for i in range(self.num_steps):
             yield i, self.ft.denoise_step(chain[:, i], i, cond), self.noise_std(chain[:, i], i, cond)
 
-    def evaluate(self, obs: Tensor, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    def evaluate(self, obs: Obs, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         cond = self.encode(obs)
         chain = stash["chain"]
         logprob = torch.zeros(len(chain), device=chain.device)
@@ -81,7 +78,7 @@ class FlowNoiseActor(ChainActor):
             entropy = entropy + self.chunk_mean(gaussian_entropy(std))
         return logprob[:, None], entropy[:, None]
 
-    def base_kl(self, obs: Tensor, stash: dict[str, Tensor]) -> Tensor:
+    def base_kl(self, obs: Obs, stash: dict[str, Tensor]) -> Tensor:
         cond = self.encode(obs)
         chain = stash["chain"]
         total = torch.zeros(len(chain), device=chain.device)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from embodied_rl.actors.base import ActorOutput, ChainActor, gaussian_entropy, gaussian_logprob
+from embodied_rl.policies.base import Obs
 
 
 class FlowSDEActor(ChainActor):
@@ -36,7 +37,7 @@ class FlowSDEActor(ChainActor):
         self.min_std = min_std
 
     @torch.no_grad()
-    def act(self, obs: Tensor, deterministic: bool = False) -> ActorOutput:
+    def act(self, obs: Obs, deterministic: bool = False) -> ActorOutput:
         cond = self.encode(obs)
         n = len(cond)
         x = torch.randn((n, *self.policy.noise_shape), device=cond.device)
@@ -71,12 +72,12 @@ class FlowSDEActor(ChainActor):
             std = std.index_put((rows,), s.clamp_min(self.min_std))
         return mean, std
 
-    def evaluate(self, obs: Tensor, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    def evaluate(self, obs: Obs, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         mean, std = self._transition(self.encode(obs), stash)
         logprob = self.chunk_mean(gaussian_logprob(stash["x_after"], mean, std))
         return logprob[:, None], self.chunk_mean(gaussian_entropy(std))[:, None]
 
-    def base_kl(self, obs: Tensor, stash: dict[str, Tensor]) -> Tensor:
+    def base_kl(self, obs: Obs, stash: dict[str, Tensor]) -> Tensor:
         cond = self.encode(obs)
         mean, std = self._transition(cond, stash)
         with torch.no_grad():

@@ -27,7 +27,15 @@ from torch import Tensor, nn
 from embodied_rl.actors.base import layer_norm_mlp
 from embodied_rl.actors.checkpoint import AgentCheckpoint
 from embodied_rl.errors import UserError
-from embodied_rl.policies.runner import ChunkExecutor, ObsHistory, executed_actions
+from embodied_rl.policies.base import Obs
+from embodied_rl.policies.runner import (
+    ChunkExecutor,
+    ObsHistory,
+    executed_actions,
+    index_obs,
+    map_obs,
+    where_obs,
+)
 
 AGENT_KIND = "dsrl"
 
@@ -49,9 +57,14 @@ class _RecordObs:
         return getattr(self._env, name)
 
 
-def state_obs(obs: Any) -> Tensor:
+def noise_actor_obs(policy: Any, obs: Obs, features: bool = True) -> Tensor:
+    """What the noise actor and its critics see: the base policy's features of the observation
+    (`policy.obs_features`). `features=False`: the raw state (checkpoints written before
+    features existed)."""
+    if features:
+        return policy.obs_features(obs)
     if isinstance(obs, dict):
-        raise UserError("latent-noise and residual off-policy actors support state observations only (obs_mode=state)")
+        raise UserError("this dsrl checkpoint's noise actor reads the raw state: it supports state observations only")
     return obs.float()
 
 
@@ -64,16 +77,18 @@ class LatentNoiseVecEnv(VecEnv):
     """Stable-Baselines3 VecEnv view of a BatchedEnv + frozen ChunkPolicy; actions are noises.
 
     action: float32 [N, H*A] in [-noise_bound, noise_bound] (clipped), reshaped to the policy's
-    noise_shape (H, A). observation: the env's state observation [N, D] (the base policy's obs
-    history is kept here and reset per env when its episode ends). reward: the sum over the
+    noise_shape (H, A). observation: the base policy's features of the env observation
+    [N, policy.feature_dim] (noise_actor_obs; the raw observations and the base policy's obs
+    history are kept here, the history reset per env when its episode ends). reward: the sum over the
     executed part of the chunk (step_chunk), or with `sparse_reward` 1 where the chunk ended in
     success and 0 otherwise. An env that finishes mid-chunk reports done with
     `terminal_observation` and `TimeLimit.truncated` (SB3 semantics) and starts a fresh episode.
 
     Counters: `env_steps` (simulator steps taken, all envs), `sampler_calls` (predict_chunk
-    calls). info of every env holds "executed_chunk" [Ha*A], "base_history" [To*D] (the history
-    the chunk was sampled from) and "next_base_history" (the history after the chunk, with the
-    terminal observation for a finished env) so that DSRL-NA can re-run the base policy.
+    calls). info of every env holds "executed_chunk" [Ha*A], "base_cond" [policy.cond_dim] (the
+    base policy's conditioning on the history the chunk was sampled from) and "next_base_cond"
+    (the same after the chunk, with the terminal observation for a finished env) so that DSRL-NA
+    can re-run the base policy's sampler.
     """
 
     def __init__(self, env: Any, policy: Any, noise_bound: float = 1.5, seed: int | None = None,
@@ -93,13 +108,9 @@ class LatentNoiseVecEnv(VecEnv):
         self.episode_successes: list[bool] = []
         self._seed = seed
         self._actions: np.ndarray | None = None
-        self._obs: Tensor | None = None
-        obs_space = env.single_observation_space
-        if not isinstance(obs_space, gymnasium.spaces.Box):
-            raise UserError("DSRL needs a state observation (obs_mode=state)")
         flat = int(np.prod(self.noise_shape))
         action_space = gymnasium.spaces.Box(-self.noise_bound, self.noise_bound, (flat,), np.float32)
-        observation_space = gymnasium.spaces.Box(-np.inf, np.inf, obs_space.shape, np.float32)
+        observation_space = gymnasium.spaces.Box(-np.inf, np.inf, (int(policy.feature_dim),), np.float32)
         self.render_mode = None
         super().__init__(int(env.num_envs), observation_space, action_space)
 
@@ -108,10 +119,12 @@ class LatentNoiseVecEnv(VecEnv):
         seed = self._seeds[0] if self._seeds[0] is not None else self._seed
         self._seed = None  # seed only the first reset: later resets continue the env's generator
         obs, _ = self.env.reset(seed=seed)
-        self._obs = state_obs(obs)
-        self.history.reset(self._obs)
+        self.history.reset(obs)
         self._reset_seeds()
-        return self._obs.cpu().numpy()
+        return self._features(obs).cpu().numpy()
+
+    def _features(self, obs: Obs) -> Tensor:
+        return noise_actor_obs(self.policy, obs).float()
 
     def step_async(self, actions: np.ndarray) -> None:
         self._actions = actions
@@ -120,28 +133,30 @@ class LatentNoiseVecEnv(VecEnv):
     def step_wait(self):
         from embodied_rl.envs.api import step_chunk
 
-        device = self._obs.device
+        device = self.env.device
         noise = torch.as_tensor(np.asarray(self._actions), dtype=torch.float32, device=device)
         noise = noise.reshape(self.num_envs, *self.noise_shape).clamp(-self.noise_bound, self.noise_bound)
         base_history = self.history.get()
-        chunk = self.policy.predict_chunk(base_history, noise=noise)
+        base_cond = self.policy.encode_obs(base_history)
+        chunk = self.policy.unnormalize_action(self.policy.sample(base_cond, noise.to(base_cond)))  # = predict_chunk
         self.sampler_calls += 1
         executed = executed_actions(self.policy, chunk).to(device=device, dtype=torch.float32)
 
         recorder = _RecordObs(self.env)
         obs, reward, terminated, truncated, info = step_chunk(recorder, executed)
-        obs = state_obs(obs)
         self.env_steps += len(recorder.observations) * self.num_envs
         done = terminated | truncated
-        final_obs = state_obs(info["final_obs"])
+        final_obs = info["final_obs"]
         # history after the chunk: for live envs the last To observations, for finished ones the
         # terminal observation (what a bootstrap from the terminal state must see)
-        after = torch.cat([base_history, torch.stack([state_obs(o) for o in recorder.observations], dim=1)], dim=1)
-        next_history = after[:, -self.history.n_obs_steps :].clone()
-        next_history[done, -1] = final_obs[done]
-        self.history.buffer = after[:, -self.history.n_obs_steps :].clone()
+        steps = self.history.n_obs_steps
+        after = map_obs(lambda h, *seen: torch.cat([h, torch.stack(seen, dim=1)], dim=1)[:, -steps:],
+                        base_history, *recorder.observations)
+        next_history = map_obs(lambda h, final: torch.cat([h[:, :-1], final[:, None]], dim=1), after,
+                               where_obs(done, final_obs, map_obs(lambda h: h[:, -1], after)))
+        next_cond = self.policy.encode_obs(next_history)
+        self.history.buffer = after
         self.history.reset(obs, done)
-        self._obs = obs
 
         success = info["success"]
         if self.sparse_reward:
@@ -149,37 +164,37 @@ class LatentNoiseVecEnv(VecEnv):
         episode = info.get("episode", {})
         infos: list[dict[str, Any]] = []
         executed_flat = executed.reshape(self.num_envs, -1).cpu().numpy()
-        base_flat = base_history.reshape(self.num_envs, -1).cpu().numpy()
-        next_flat = next_history.reshape(self.num_envs, -1).cpu().numpy()
+        base_flat = base_cond.float().cpu().numpy()
+        next_flat = next_cond.float().cpu().numpy()
+        final_features = self._features(final_obs).cpu().numpy()
         done_np = done.cpu().numpy()
         for i in range(self.num_envs):
             item: dict[str, Any] = {
                 "executed_chunk": executed_flat[i],
-                "base_history": base_flat[i],
-                "next_base_history": next_flat[i],
+                "base_cond": base_flat[i],
+                "next_base_cond": next_flat[i],
                 "success": bool(success[i]),
             }
             if done_np[i]:
-                item["terminal_observation"] = final_obs[i].cpu().numpy()
+                item["terminal_observation"] = final_features[i]
                 item["TimeLimit.truncated"] = bool(truncated[i]) and not bool(terminated[i])
                 if "return" in episode:
                     item["episode"] = {"r": float(episode["return"][i]), "l": int(episode["length"][i])}
                     self.episode_returns.append(float(episode["return"][i]))
                     self.episode_successes.append(bool(episode["success_once"][i]))
             infos.append(item)
-        return obs.cpu().numpy(), reward.float().cpu().numpy(), done_np, infos
+        return self._features(obs).cpu().numpy(), reward.float().cpu().numpy(), done_np, infos
 
     def state_dict(self) -> dict[str, Tensor]:
         """What a resumed run needs to continue this VecEnv exactly (the BatchedEnv's own state
-        is saved apart): the last observation, the base policy's obs histories, the counters."""
-        state = {"obs": self._obs, "env_steps": torch.tensor(self.env_steps),
+        is saved apart): the base policy's obs histories (the last observation included), the counters."""
+        state = {"env_steps": torch.tensor(self.env_steps),
                  "sampler_calls": torch.tensor(self.sampler_calls)}
         state.update({f"history.{key}": value for key, value in self.history.state_dict().items()})
         return {key: value.detach().to("cpu", copy=True) for key, value in state.items()}
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         device = self.env.device
-        self._obs = state["obs"].to(device)
         self.env_steps, self.sampler_calls = int(state["env_steps"]), int(state["sampler_calls"])
         self.history.load_state_dict({key.removeprefix("history."): value.to(device)
                                       for key, value in state.items() if key.startswith("history.")})
@@ -254,26 +269,26 @@ class NoiseActorAgent(ChunkExecutor):
     base policy from its obs history.
     """
 
-    def __init__(self, actor: nn.Module, policy: Any, num_envs: int, noise_bound: float, deterministic: bool = True):
+    def __init__(self, actor: nn.Module, policy: Any, num_envs: int, noise_bound: float, deterministic: bool = True,
+                 obs_features: bool = True):
         super().__init__(num_envs, policy.n_obs_steps, policy.n_action_steps, policy.action_dim)
         self.actor = actor
         self.policy = policy
+        self.obs_features = obs_features
         self.noise_bound = float(noise_bound)
         self.deterministic = deterministic
         self.noise_shape = tuple(int(s) for s in policy.noise_shape)
 
     @torch.no_grad()
-    def noise(self, obs: Tensor) -> Tensor:
+    def noise(self, obs: Obs) -> Tensor:
+        features = noise_actor_obs(self.policy, obs, self.obs_features)
         actor_device = next(self.actor.parameters()).device
-        squashed = self.actor(obs.to(actor_device), deterministic=self.deterministic)
-        return squashed.to(obs.device).reshape(len(obs), *self.noise_shape).clamp(-self.noise_bound, self.noise_bound)
+        squashed = self.actor(features.to(actor_device), deterministic=self.deterministic)
+        return squashed.to(features.device).reshape(len(features), *self.noise_shape).clamp(-self.noise_bound, self.noise_bound)
 
-    def act(self, obs: Any) -> Tensor:
-        return super().act(state_obs(obs))
-
-    def plan(self, history: Tensor, envs: Tensor) -> Tensor:
-        history = history[envs]
-        chunk = self.policy.predict_chunk(history, noise=self.noise(history[:, -1]))
+    def plan(self, history: Obs, envs: Tensor) -> Tensor:
+        history = index_obs(history, envs)
+        chunk = self.policy.predict_chunk(history, noise=self.noise(map_obs(lambda h: h[:, -1], history)))
         return executed_actions(self.policy, chunk)
 
 
@@ -305,4 +320,6 @@ def build_noise_agent(checkpoint: AgentCheckpoint, num_envs: int) -> NoiseActorA
                                  config["net_arch"], config["n_critics"])
     sb3_policy.load_state_dict(checkpoint.tensors)
     sb3_policy = sb3_policy.to(checkpoint.base_policy.device).eval()
-    return NoiseActorAgent(_ScaledActor(sb3_policy.actor, noise_bound), checkpoint.base_policy, num_envs, noise_bound)
+    # checkpoints written before the noise actor read the policy's features have no obs_features
+    return NoiseActorAgent(_ScaledActor(sb3_policy.actor, noise_bound), checkpoint.base_policy, num_envs, noise_bound,
+                           obs_features=bool(config.get("obs_features", False)))

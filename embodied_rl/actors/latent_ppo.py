@@ -22,6 +22,7 @@ from torch import Tensor
 
 from embodied_rl.actors.base import Actor, ActorOutput, Critic, gaussian_entropy, gaussian_logprob
 from embodied_rl.actors.gaussian import GaussianHead
+from embodied_rl.policies.base import Obs
 
 
 class LatentNoiseActor(Actor):
@@ -43,23 +44,21 @@ class LatentNoiseActor(Actor):
         self._config = dict(noise_bound=noise_bound, init_std=init_std, learn_std=learn_std,
                             hidden=hidden, layers=layers, critic_hidden=critic_hidden)
         self.policy = policy.eval().requires_grad_(False)
-        if policy.obs_mode != "state":
-            raise ValueError("latent_noise supports state observations only")
         self.n_obs_steps = policy.n_obs_steps
         self.n_action_steps = policy.n_action_steps
         self.executed = slice(policy.n_obs_steps - 1, policy.n_obs_steps - 1 + policy.n_action_steps)
         self.noise_bound = noise_bound
         noise_dim = policy.horizon * policy.action_dim
-        self.head = GaussianHead(policy.n_obs_steps * policy.obs_dim, noise_dim, hidden, layers,
+        self.head = GaussianHead(policy.cond_dim, noise_dim, hidden, layers,
                                  init_std=init_std, learn_std=learn_std, zero_init=True)
         self.critic = Critic(policy, critic_hidden)
 
-    def _head(self, obs: Tensor) -> tuple[Tensor, Tensor]:
-        mean, std = self.head(self.policy.normalizer.normalize("obs", obs.float()).flatten(1))
+    def _head(self, obs: Obs) -> tuple[Tensor, Tensor]:
+        mean, std = self.head(self.policy.encode_obs(obs))
         return self.noise_bound * torch.tanh(mean / self.noise_bound), std
 
     @torch.no_grad()
-    def act(self, obs: Tensor, deterministic: bool = False) -> ActorOutput:
+    def act(self, obs: Obs, deterministic: bool = False) -> ActorOutput:
         mean, std = self._head(obs)
         noise = mean + std * torch.randn_like(mean)
         chunk = self.policy.predict_chunk(obs, noise=noise.view(len(noise), *self.policy.noise_shape))
@@ -68,13 +67,13 @@ class LatentNoiseActor(Actor):
         return ActorOutput(chunk[:, self.executed].clamp(-1.0, 1.0), logprob,
                            self.get_value(self.latest_obs(obs)), stash)
 
-    def evaluate(self, obs: Tensor, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    def evaluate(self, obs: Obs, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         mean, std = self._head(obs)
         logprob = gaussian_logprob(stash["noise"], mean, std).sum(-1, keepdim=True)
         entropy = gaussian_entropy(std).sum(-1, keepdim=True)
         return logprob, entropy
 
-    def base_kl(self, obs: Tensor, stash: dict[str, Tensor]) -> Tensor:
+    def base_kl(self, obs: Obs, stash: dict[str, Tensor]) -> Tensor:
         """KL(N(mean, std) || N(0, I)): how far the noise policy is from the BC sampler's prior."""
         mean, std = self._head(obs)
         return (0.5 * (std**2 + mean**2 - 1) - std.log()).sum(-1)

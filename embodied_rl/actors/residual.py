@@ -2,7 +2,7 @@
 frozen base policy's action at every env step.
 
     base = PolicyRunner(policy).act(obs)                      # the base chunk policy, executed
-    mean, std = head([normalised obs, base])                  # zero-initialised mean
+    mean, std = head([policy.obs_features(obs), base])        # zero-initialised mean
     action = clamp(base + action_scale * (mean + std * z), -1, 1)
 
 `action_scale` is one number or one per action dimension (e.g. a larger one for a gripper, so the
@@ -30,6 +30,8 @@ from embodied_rl.actors.base import (
 )
 from embodied_rl.actors.gaussian import GaussianHead
 from embodied_rl.errors import UserError
+from embodied_rl.policies.base import Obs
+from embodied_rl.policies.runner import first_tensor, index_obs
 
 
 def residual_scale(action_scale: float | list[float], action_dim: int) -> Tensor:
@@ -51,9 +53,9 @@ class ChunkStateCritic(nn.Module):
     the BC policy's sampling noise). A critic on the observation alone cannot tell a lucky draw
     from a good correction: every advantage carries the draw's luck. This critic has two heads:
 
-        V(o, q)  = chunk_net([normalised o, queued base actions (current first, zero-padded),
+        V(o, q)  = chunk_net([features of o, queued base actions (current first, zero-padded),
                               one-hot position in the chunk])     # after the draw: the MDP state
-        V0(o)    = net(normalised o)                              # before the next draw: E_q V(o, q)
+        V0(o)    = net(features of o)                                # before the next draw: E_q V(o, q)
 
     The draw is a chance node between two MDP steps, so the TD error across it bootstraps from
     V0 (`next_value` where the queue is empty): r + gamma V0(o') - V(o, q) does not depend on
@@ -64,16 +66,16 @@ class ChunkStateCritic(nn.Module):
 
     def __init__(self, policy, hidden: int = 256, layers: int = 2):
         super().__init__()
-        self._normalize = policy.normalizer.normalize  # a bound method: not a submodule
+        self._features = policy.obs_features  # a bound method of the frozen policy: not a submodule
         self.horizon = policy.n_action_steps
-        self.net = mlp(policy.obs_dim, 1, hidden, layers)
-        self.chunk_net = mlp(policy.obs_dim + self.horizon * (policy.action_dim + 1), 1, hidden, layers)
+        self.net = mlp(policy.feature_dim, 1, hidden, layers)
+        self.chunk_net = mlp(policy.feature_dim + self.horizon * (policy.action_dim + 1), 1, hidden, layers)
 
-    def forward(self, obs: Tensor) -> Tensor:
-        return self.net(self._normalize("obs", obs.float())).squeeze(-1)
+    def forward(self, obs: Obs) -> Tensor:
+        return self.net(self._features(obs)).squeeze(-1)
 
-    def with_chunk(self, obs: Tensor, chunk_state: Tensor) -> Tensor:
-        return self.chunk_net(torch.cat([self._normalize("obs", obs.float()), chunk_state], -1)).squeeze(-1)
+    def with_chunk(self, obs: Obs, chunk_state: Tensor) -> Tensor:
+        return self.chunk_net(torch.cat([self._features(obs), chunk_state], -1)).squeeze(-1)
 
     def drawn(self, chunk_state: Tensor) -> Tensor:
         """Whether each state is the first of its chunk (the one-hot position is 0) [N]."""
@@ -114,29 +116,30 @@ class ResidualActor(Actor):
         self.policy = policy.eval().requires_grad_(False)
         self.runner = PolicyRunner(policy, num_envs)
         self.register_buffer("action_scale", residual_scale(action_scale, policy.action_dim), persistent=False)
-        self.head = GaussianHead(policy.obs_dim + policy.action_dim, policy.action_dim, hidden, layers,
+        self.head = GaussianHead(policy.feature_dim + policy.action_dim, policy.action_dim, hidden, layers,
                                  init_std=init_std, learn_std=learn_std, zero_init=True)
         self.chunk_critic = bool(chunk_critic)
         self.critic = ChunkStateCritic(policy, critic_hidden) if self.chunk_critic else Critic(policy, critic_hidden)
 
-    def _head(self, obs: Tensor, base_action: Tensor) -> tuple[Tensor, Tensor]:
-        obs_norm = self.policy.normalizer.normalize("obs", obs.float())
-        return self.head(torch.cat([obs_norm, base_action], dim=-1))
+    def _head(self, obs: Obs, base_action: Tensor) -> tuple[Tensor, Tensor]:
+        return self.head(torch.cat([self.policy.obs_features(obs), base_action], dim=-1))
 
     def _chunk_state(self, position: Tensor, device: torch.device) -> Tensor:
         return queued_chunk_state(self.runner.queue, position.clamp(max=self.runner.queue.shape[1] - 1)).to(device)
 
-    def next_value(self, next_obs: Tensor) -> Tensor:
+    def next_value(self, next_obs: Obs) -> Tensor:
         if not self.chunk_critic:
             return self.get_value(next_obs)
         position = self.runner.next_index  # == H where the next step draws a chunk (or the env was reset)
-        midchunk = (position < self.runner.queue.shape[1]).to(next_obs.device)
-        value = torch.empty(len(next_obs), device=next_obs.device)
-        value[~midchunk] = self.critic(next_obs[~midchunk])  # each head only where it applies
-        value[midchunk] = self.critic.with_chunk(next_obs[midchunk], self._chunk_state(position, next_obs.device)[midchunk])
+        device = first_tensor(next_obs).device
+        midchunk = (position < self.runner.queue.shape[1]).to(device)
+        value = torch.empty(len(midchunk), device=device)
+        value[~midchunk] = self.critic(index_obs(next_obs, ~midchunk))  # each head only where it applies
+        value[midchunk] = self.critic.with_chunk(index_obs(next_obs, midchunk),
+                                                 self._chunk_state(position, device)[midchunk])
         return value
 
-    def value_loss(self, obs: Tensor, stash: dict[str, Tensor], old_value: Tensor, returns: Tensor,
+    def value_loss(self, obs: Obs, stash: dict[str, Tensor], old_value: Tensor, returns: Tensor,
                    mask: Tensor, clip: float | None) -> Tensor:
         if not self.chunk_critic:
             return super().value_loss(obs, stash, old_value, returns, mask, clip)
@@ -167,27 +170,27 @@ class ResidualActor(Actor):
         return clone
 
     @torch.no_grad()
-    def act(self, obs: Tensor, deterministic: bool = False) -> ActorOutput:
+    def act(self, obs: Obs, deterministic: bool = False) -> ActorOutput:
         base_action = self.runner.act(obs).float()
         mean, std = self._head(obs, base_action)
         residual = mean if deterministic else mean + std * torch.randn_like(mean)
         actions = (base_action + self.action_scale * residual).clamp(-1.0, 1.0)
         stash = {"base_action": base_action, "residual": residual}
         if self.chunk_critic:  # the base action just taken is queue[next_index - 1]
-            stash["chunk_state"] = self._chunk_state(self.runner.next_index - 1, obs.device)
+            stash["chunk_state"] = self._chunk_state(self.runner.next_index - 1, first_tensor(obs).device)
             value = self.critic.with_chunk(obs, stash["chunk_state"])
         else:
             value = self.get_value(obs)
         logprob, _ = self.evaluate(obs, stash)
         return ActorOutput(actions, logprob, value, stash)
 
-    def evaluate(self, obs: Tensor, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    def evaluate(self, obs: Obs, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         mean, std = self._head(obs, stash["base_action"])
         logprob = gaussian_logprob(stash["residual"], mean, std).sum(-1, keepdim=True)
         entropy = gaussian_entropy(std).sum(-1, keepdim=True)
         return logprob, entropy
 
-    def base_kl(self, obs: Tensor, stash: dict[str, Tensor]) -> Tensor:
+    def base_kl(self, obs: Obs, stash: dict[str, Tensor]) -> Tensor:
         """KL(N(mean, std) || N(0, std)): how far the residual mean pulls away from the base."""
         mean, std = self._head(obs, stash["base_action"])
         return 0.5 * ((mean / std) ** 2).sum(-1)
@@ -197,7 +200,7 @@ class ResidualChunkActor(Actor):
     """The residual at the chunk level: one MDP step is one executed chunk (envs.step_chunk).
 
         base = policy.predict_chunk(obs history)[executed]           # [N, Ta, A], frozen, sampled
-        mean, std = head([normalised obs history, base])             # [N, Ta * A], zero-initialised mean
+        mean, std = head([policy.encode_obs(obs history), base])    # [N, Ta * A], zero-initialised mean
         actions = clamp(base + action_scale * (mean + std * z), -1, 1)
 
     Why: a per-step residual with white noise at 10 Hz needs many samples before the effect of
@@ -224,23 +227,20 @@ class ResidualChunkActor(Actor):
         self._config = dict(action_scale=action_scale, init_std=init_std, learn_std=learn_std,
                             hidden=hidden, layers=layers, critic_hidden=critic_hidden)
         self.policy = policy.eval().requires_grad_(False)
-        if policy.obs_mode != "state":
-            raise ValueError("residual_chunk supports state observations only")
         self.n_obs_steps = policy.n_obs_steps
         self.n_action_steps = policy.n_action_steps
         self.executed = slice(policy.n_obs_steps - 1, policy.n_obs_steps - 1 + policy.n_action_steps)
         self.register_buffer("action_scale", residual_scale(action_scale, policy.action_dim), persistent=False)
         chunk = policy.n_action_steps * policy.action_dim
-        self.head = GaussianHead(policy.n_obs_steps * policy.obs_dim + chunk, chunk, hidden, layers,
+        self.head = GaussianHead(policy.cond_dim + chunk, chunk, hidden, layers,
                                  init_std=init_std, learn_std=learn_std, zero_init=True)
         self.critic = Critic(policy, critic_hidden)
 
-    def _head(self, obs: Tensor, base: Tensor) -> tuple[Tensor, Tensor]:
-        obs_norm = self.policy.normalizer.normalize("obs", obs.float()).flatten(1)
-        return self.head(torch.cat([obs_norm, base.flatten(1)], dim=-1))
+    def _head(self, obs: Obs, base: Tensor) -> tuple[Tensor, Tensor]:
+        return self.head(torch.cat([self.policy.encode_obs(obs), base.flatten(1)], dim=-1))
 
     @torch.no_grad()
-    def act(self, obs: Tensor, deterministic: bool = False) -> ActorOutput:
+    def act(self, obs: Obs, deterministic: bool = False) -> ActorOutput:
         base = self.policy.predict_chunk(obs)[:, self.executed].float()
         mean, std = self._head(obs, base)
         residual = mean if deterministic else mean + std * torch.randn_like(mean)
@@ -249,12 +249,12 @@ class ResidualChunkActor(Actor):
         logprob, _ = self.evaluate(obs, stash)
         return ActorOutput(actions, logprob, self.get_value(self.latest_obs(obs)), stash)
 
-    def evaluate(self, obs: Tensor, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    def evaluate(self, obs: Obs, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         mean, std = self._head(obs, stash["base_action"])
         logprob = gaussian_logprob(stash["residual"], mean, std).sum(-1, keepdim=True)
         entropy = gaussian_entropy(std).sum(-1, keepdim=True)
         return logprob, entropy
 
-    def base_kl(self, obs: Tensor, stash: dict[str, Tensor]) -> Tensor:
+    def base_kl(self, obs: Obs, stash: dict[str, Tensor]) -> Tensor:
         mean, std = self._head(obs, stash["base_action"])
         return 0.5 * ((mean / std) ** 2).sum(-1)

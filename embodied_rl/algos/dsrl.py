@@ -53,19 +53,20 @@ from embodied_rl.policies import executed_actions
 
 
 class NoiseReplayBuffer(ReplayBuffer):
-    """SB3's ReplayBuffer plus, per transition, the executed chunk and the base policy's obs
-    history before and after the step (taken from the VecEnv's infos)."""
+    """SB3's ReplayBuffer plus, per transition, the executed chunk and the base policy's
+    conditioning (`encode_obs` of its obs history) before and after the step (from the VecEnv's
+    infos): with it the base policy's sampler can be re-run on any noise."""
 
-    def __init__(self, *args: Any, executed_dim: int = 0, history_dim: int = 0, **kwargs: Any):
+    def __init__(self, *args: Any, executed_dim: int = 0, cond_dim: int = 0, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.executed = np.zeros((self.buffer_size, self.n_envs, executed_dim), np.float32)
-        self.history = np.zeros((self.buffer_size, self.n_envs, history_dim), np.float32)
-        self.next_history = np.zeros((self.buffer_size, self.n_envs, history_dim), np.float32)
+        self.cond = np.zeros((self.buffer_size, self.n_envs, cond_dim), np.float32)
+        self.next_cond = np.zeros((self.buffer_size, self.n_envs, cond_dim), np.float32)
 
     def add(self, obs, next_obs, action, reward, done, infos) -> None:
         self.executed[self.pos] = np.stack([info["executed_chunk"] for info in infos])
-        self.history[self.pos] = np.stack([info["base_history"] for info in infos])
-        self.next_history[self.pos] = np.stack([info["next_base_history"] for info in infos])
+        self.cond[self.pos] = np.stack([info["base_cond"] for info in infos])
+        self.next_cond[self.pos] = np.stack([info["next_base_cond"] for info in infos])
         super().add(obs, next_obs, action, reward, done, infos)
 
     def sample_with_extras(self, batch_size: int) -> tuple[ReplayBufferSamples, dict[str, Tensor]]:
@@ -86,8 +87,8 @@ class NoiseReplayBuffer(ReplayBuffer):
         )
         extras = {
             "executed": self.to_torch(self.executed[rows, envs]),
-            "history": self.to_torch(self.history[rows, envs]),
-            "next_history": self.to_torch(self.next_history[rows, envs]),
+            "cond": self.to_torch(self.cond[rows, envs]),
+            "next_cond": self.to_torch(self.next_cond[rows, envs]),
         }
         return samples, extras
 
@@ -118,10 +119,10 @@ class DSRL(SAC):
         self.warm_start = warm_start
         self.noise_aliasing = noise_aliasing
         if noise_aliasing:
-            history_dim = env.history.n_obs_steps * env.observation_space.shape[0]
+            cond_dim = int(env.policy.cond_dim)
             executed_dim = env.n_action_steps * env.noise_shape[1]
             sac_kwargs["replay_buffer_class"] = NoiseReplayBuffer
-            sac_kwargs["replay_buffer_kwargs"] = {"executed_dim": executed_dim, "history_dim": history_dim}
+            sac_kwargs["replay_buffer_kwargs"] = {"executed_dim": executed_dim, "cond_dim": cond_dim}
         super().__init__(LayerNormSACPolicy, env, **sac_kwargs)
         self.stats: dict[str, float] = {}
         if noise_aliasing:
@@ -176,14 +177,15 @@ class DSRL(SAC):
         self._n_updates += gradient_steps
         self.stats = {"train/critic_loss": float(np.mean(losses))}
 
-    def _base_chunk(self, history: Tensor, scaled_noise: Tensor) -> Tensor:
-        """Executed part of pi_base(history, w) flattened, for scaled noises w/m in [-1, 1]."""
+    def _base_chunk(self, cond: Tensor, scaled_noise: Tensor) -> Tensor:
+        """Executed part of pi_base(history, w) flattened, for scaled noises w/m in [-1, 1], from the
+        base policy's conditioning on the history."""
         env = self.noise_env
-        policy_device = env.policy.device if hasattr(env.policy, "device") else self.device
-        history = history.reshape(len(history), env.history.n_obs_steps, -1).to(policy_device)
-        noise = (scaled_noise * env.noise_bound).reshape(len(history), *env.noise_shape).to(policy_device)
-        chunk = env.policy.predict_chunk(history, noise=noise)
-        return executed_actions(env.policy, chunk).reshape(len(history), -1).to(self.device)
+        policy = env.policy
+        cond = cond.to(policy.device)
+        noise = (scaled_noise * env.noise_bound).reshape(len(cond), *env.noise_shape).to(cond)
+        chunk = policy.unnormalize_action(policy.sample(cond, noise))
+        return executed_actions(policy, chunk).reshape(len(cond), -1).to(self.device)
 
     def _action_q(self, critic: torch.nn.ModuleList, obs: Tensor, executed: Tensor) -> Tensor:
         inputs = torch.cat([obs, executed], dim=1)
@@ -199,7 +201,7 @@ class DSRL(SAC):
             # 1. Q_A(s, a) by TD on executed chunks; the next chunk is pi_base(s', pi_W(s'))
             with torch.no_grad():
                 next_noise, next_log_prob = self.actor.action_log_prob(data.next_observations)
-                next_executed = self._base_chunk(extra["next_history"], next_noise)
+                next_executed = self._base_chunk(extra["next_cond"], next_noise)
                 next_q = self._action_q(self.action_critic_target, data.next_observations, next_executed).min(1, keepdim=True)[0]
                 next_q = next_q - ent_coef * next_log_prob.reshape(-1, 1)
                 target = data.rewards + (1 - data.dones) * self.gamma * next_q
@@ -213,7 +215,7 @@ class DSRL(SAC):
             with torch.no_grad():
                 bound = self.noise_env.noise_bound
                 prior = torch.randn_like(data.actions).mul(1.0 / bound).clamp(-1.0, 1.0)  # w/m, w ~ N(0, I)
-                prior_executed = self._base_chunk(extra["history"], prior)
+                prior_executed = self._base_chunk(extra["cond"], prior)
                 obs2 = torch.cat([data.observations, data.observations])
                 noise2 = torch.cat([prior, data.actions])
                 executed2 = torch.cat([prior_executed, extra["executed"]])
@@ -357,6 +359,7 @@ def _agent_config(algo: DSRLConfig, vec_env: LatentNoiseVecEnv) -> dict[str, Any
         "noise_bound": vec_env.noise_bound,
         "noise_shape": list(vec_env.noise_shape),
         "obs_dim": int(vec_env.observation_space.shape[0]),
+        "obs_features": True,  # the noise actor reads policy.obs_features (noise_actor_obs)
         "net_arch": list(algo.hidden_sizes),
         "n_critics": algo.n_critics,
     }
@@ -403,7 +406,7 @@ class _Learner:
 
 
 REPLAY_ARRAYS = ("observations", "next_observations", "actions", "rewards", "dones", "timeouts",
-                 "executed", "history", "next_history")
+                 "executed", "cond", "next_cond")
 
 
 def replay_state(buffer: ReplayBuffer) -> dict[str, Any]:

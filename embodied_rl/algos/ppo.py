@@ -39,14 +39,18 @@ from embodied_rl.actors.base import ActorAgent, HistoryEnv, ObsHistory
 from embodied_rl.algos.common import FinetuneLoop, reward_settings, training_reward
 from embodied_rl.envs.api import step_chunk
 from embodied_rl.errors import UserError
+from embodied_rl.policies.base import Obs
+from embodied_rl.policies.runner import first_tensor, index_obs, map_obs
 
 
-def _stack(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+def _stack(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rows of per-step tensors (or dict observations) -> [T, N, ...]."""
+    return {key: map_obs(lambda *steps: torch.stack(steps), *[item[key] for item in items]) for key in items[0]}
 
 
-def _flat(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, *x.shape[2:])
+def _flat(x: Obs) -> Obs:
+    """[T, N, ...] -> [T * N, ...] (each entry of a dict observation)."""
+    return map_obs(lambda t: t.reshape(-1, *t.shape[2:]), x)
 
 
 class PotentialShaping:
@@ -155,7 +159,7 @@ def mdp_step(env, henv, actor, obs):
     """One MDP step: a whole chunk for chain actors (rewards summed by step_chunk), one env step
     for per-step actors. Resets the actor's per-env state where an episode ended.
     Returns (actor input, actor output, next obs, reward, terminated, truncated, info)."""
-    obs_in = henv.history.buffer.clone() if actor.chunked else obs
+    obs_in = henv.history.get() if actor.chunked else obs
     out = actor.act(obs_in)
     if actor.chunked:
         next_obs, reward, terminated, truncated, info = step_chunk(henv, out.actions)
@@ -180,7 +184,7 @@ def collect_ppo(env, henv, actor, obs, num_steps: int, loop: FinetuneLoop, spars
         # V of the observation that really followed: final_obs where the episode ended
         next_value = actor.next_value(next_obs)
         if bool(done.any()):
-            next_value[done] = actor.get_value(info["final_obs"][done])
+            next_value[done] = actor.get_value(index_obs(info["final_obs"], done))
             if not bootstrap_truncation:
                 next_value[truncated] = 0.0
         loop.advance(env.num_envs * steps_per_mdp, info)
@@ -204,9 +208,10 @@ def collect_grpo(env, henv, actor, group_size: int, max_mdp_steps: int, sparse_r
     obs, _ = henv.reset(group_size=group_size)
     n = env.num_envs
     actor.reset(torch.ones(n, dtype=torch.bool))
-    running = torch.ones(n, dtype=torch.bool, device=obs.device)
-    episode_return = torch.zeros(n, device=obs.device)
-    success = torch.zeros(n, dtype=torch.bool, device=obs.device)
+    device = first_tensor(obs).device
+    running = torch.ones(n, dtype=torch.bool, device=device)
+    episode_return = torch.zeros(n, device=device)
+    success = torch.zeros(n, dtype=torch.bool, device=device)
     rows = []
     for _ in range(max_mdp_steps):
         obs_in, out, obs, reward, terminated, truncated, info = mdp_step(env, henv, actor, obs)
@@ -221,7 +226,7 @@ def collect_grpo(env, henv, actor, group_size: int, max_mdp_steps: int, sparse_r
     stash = _stack([r.pop("stash") for r in rows])
     batch = _stack(rows)
     batch["stash"] = stash
-    group_ids = torch.arange(n, device=obs.device) // group_size
+    group_ids = torch.arange(n, device=device) // group_size
     advantages = core.group_advantages(episode_return, group_ids)
     per_group = episode_return.view(-1, group_size)  # groups are consecutive envs
     spread = per_group.max(dim=1).values - per_group.min(dim=1).values
@@ -239,8 +244,6 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     group_size = algo.group_size
     grpo = group_size > 1
     num_envs = env.num_envs
-    if len(getattr(env.single_observation_space, "shape", None) or ()) != 1:
-        raise UserError("on-policy fine-tuning supports state observations only (obs_mode=state)")
     torch.manual_seed(int(cfg.seed))
     rewards = reward_settings(cfg)
     # shaping adds to the sparse success reward; a dense env reward (hopper) is used as it is
@@ -272,7 +275,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         actor.reset(torch.ones(num_envs, dtype=torch.bool))
     else:  # continue exactly where the checkpoint stopped: same env states, histories, queues
         env.set_state(saved["env"])
-        obs, history.buffer = saved["obs"].to(device), saved["history"]
+        obs, history.buffer = map_obs(lambda o: o.to(device), saved["obs"]), saved["history"]
         actor.load_runtime_state(saved["actor"])
         if shaping is not None:
             shaping.previous, shaping.fresh = saved["shaping"]
@@ -332,7 +335,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
                 mb_valid = valid[mb]
                 if not bool(mb_valid.any()):
                     continue
-                mb_obs = flat["obs"][mb]
+                mb_obs = index_obs(flat["obs"], mb)
                 mb_stash = {k: v[mb] for k, v in flat_stash.items()}
                 losses: dict[str, torch.Tensor] = {}
                 loss = torch.zeros((), device=device)

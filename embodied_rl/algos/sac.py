@@ -29,7 +29,6 @@ from torch import Tensor, nn
 
 from embodied_rl.actors import save_agent
 from embodied_rl.actors.base import layer_norm_mlp
-from embodied_rl.actors.latent_noise import state_obs
 from embodied_rl.actors.residual_offpolicy import (
     AGENT_KIND,
     ResidualAgent,
@@ -41,6 +40,8 @@ from embodied_rl.algos.common import FinetuneLoop, reward_settings, training_rew
 from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart
 from embodied_rl.errors import UserError
 from embodied_rl.policies import PolicyRunner
+from embodied_rl.policies.base import Obs
+from embodied_rl.policies.runner import index_obs, map_obs, where_obs
 
 # --------------------------------------------------------------------------------------------
 # Pure pieces: n-step returns and the random-pair target
@@ -140,7 +141,7 @@ def demo_transitions(dataset: Any, policy: Any, gamma: float, success_terminates
     The last step of a successful episode is terminal when the task ends on success; the last
     step of any other episode has no next observation and is dropped. `sparse`: the reward is 1
     on the last step of a successful episode, else 0 (the online `algo.reward=success`)."""
-    obs_all = torch.as_tensor(np.asarray(dataset.obs), dtype=torch.float32)
+    obs_all = dataset_obs(dataset, policy)
     act_all = torch.as_tensor(np.asarray(dataset.action), dtype=torch.float32)
     rew_all = torch.as_tensor(np.asarray(dataset.reward), dtype=torch.float32)
     successes = np.asarray(dataset.episode_success, dtype=bool) if hasattr(dataset, "episode_success") else None
@@ -149,14 +150,14 @@ def demo_transitions(dataset: Any, policy: Any, gamma: float, success_terminates
     out: dict[str, list[Tensor]] = {k: [] for k in FIELDS}
     for episode in range(dataset.num_episodes):
         start, end = dataset.episode_bounds(episode)
-        obs, act, rew = obs_all[start:end], act_all[start:end], rew_all[start:end]
+        obs, act, rew = index_obs(obs_all, slice(start, end)), act_all[start:end], rew_all[start:end]
         length = end - start
         anchors = torch.arange(0, length, ha)
-        window = anchors[:, None] - torch.arange(to - 1, -1, -1)[None]  # history indices, clamped at 0
-        history = obs[window.clamp(min=0)]
+        window = (anchors[:, None] - torch.arange(to - 1, -1, -1)[None]).clamp(min=0)  # history indices
         with torch.no_grad():
             device_p = next(policy.parameters()).device
-            chunks = policy.predict_chunk(history.to(device_p), generator=torch.Generator(device=device_p).manual_seed(episode))
+            history = map_obs(lambda o, rows=window, device=device_p: o[rows].to(device), obs)
+            chunks = policy.predict_chunk(history, generator=torch.Generator(device=device_p).manual_seed(episode))
         base = chunks[:, start_index : start_index + ha].reshape(-1, act.shape[-1])[:length].float().cpu()
         terminal = bool(successes[episode]) and success_terminates if successes is not None else False
         if sparse:
@@ -170,12 +171,29 @@ def demo_transitions(dataset: Any, policy: Any, gamma: float, success_terminates
         discount = torch.full((last,), gamma)
         if terminal:
             discount[-1] = 0.0
-        for key, value in (("obs", obs[:last]), ("base", base[:last]), ("action", act[:last]), ("reward", rew[:last]),
-                           ("discount", discount), ("next_obs", obs[nxt]), ("next_base", base[nxt])):
+        for key, value in (("obs", index_obs(obs, slice(0, last))), ("base", base[:last]), ("action", act[:last]),
+                           ("reward", rew[:last]), ("discount", discount), ("next_obs", index_obs(obs, nxt)),
+                           ("next_base", base[nxt])):
             out[key].append(value)
     if not out["obs"]:
         raise UserError("the demo dataset has no usable transitions (episodes of length 1?)")
-    return {k: torch.cat(v).to(device) for k, v in out.items()}
+    return {k: map_obs(lambda *parts: torch.cat(parts).to(device), *v) for k, v in out.items()}
+
+
+def dataset_obs(dataset: Any, policy: Any) -> Obs:
+    """Every step's observation of a demo dataset as the env gives it to `policy`: the state
+    tensor [T, D], or a dict with the pixels and instruction ids where the policy reads them."""
+    state = torch.as_tensor(np.asarray(dataset.obs), dtype=torch.float32)
+    entries: dict[str, Tensor] = {}
+    if policy.obs_mode == "pixels":
+        if dataset.pixels is None:
+            raise UserError(f"the base policy reads pixels but the demo dataset '{dataset.path}' has none")
+        entries["pixels"] = torch.from_numpy(np.asarray(dataset.pixels))
+    if policy.instructions:
+        if dataset.instruction is None:
+            raise UserError(f"the base policy reads instructions but the demo dataset '{dataset.path}' has none")
+        entries["instruction"] = torch.as_tensor(np.asarray(dataset.instruction), dtype=torch.long)
+    return {"state": state, **entries} if entries else state
 
 
 def find_demo_path(cfg: Any) -> Path | None:
@@ -412,15 +430,15 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     policy.eval()
     policy.requires_grad_(False)
     num_envs = int(env.num_envs)
-    obs_dim = int(env.single_observation_space.shape[0]) if hasattr(env.single_observation_space, "shape") else 0
+    obs_dim = policy.feature_dim if algo.normalize_obs else policy.obs_dim  # the size of actor_obs
     action_dim = int(env.single_action_space.shape[0])
     learner = ResidualSAC(algo, obs_dim, action_dim, device, seed)
     warm_start = WarmStart(algo.warmup_env_steps, algo.critic_only_steps)
     sparse = reward_settings(cfg).sparse
     replay = Replay(algo.buffer_size, obs_dim, action_dim, device)
 
-    def features(obs: Tensor) -> Tensor:  # what the actor and the critics see (the replay stores it)
-        return actor_obs(policy, obs.to(device), algo.normalize_obs)
+    def features(obs: Obs) -> Tensor:  # what the actor and the critics see (the replay stores it)
+        return actor_obs(policy, map_obs(lambda o: o.to(device), obs), algo.normalize_obs)
 
     demos = None
     demo_path = find_demo_path(cfg) if algo.demo_fraction > 0 else None
@@ -447,7 +465,6 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     stats: dict[str, float] = {}
     if saved is None:
         obs, _ = env.reset(seed=seed)
-        obs = state_obs(obs)
         base = queue.act(obs)
     else:  # continue exactly where the checkpoint stopped
         env.set_state(saved["env"])
@@ -467,12 +484,11 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     while loop.env_steps < loop.total_env_steps:
         phase = warm_start.phase(loop.env_steps)
         obs_features = features(obs)  # once per step: for the actor now, and for the replay
-        residual = torch.zeros_like(base) if phase == WARMUP else learner.explore(obs_features, base.to(device)).to(obs.device)
+        residual = torch.zeros_like(base) if phase == WARMUP else learner.explore(obs_features, base.to(device)).to(base.device)
         action = (base + residual).clamp(-1.0, 1.0)
         next_obs, reward, terminated, truncated, info = env.step(action)
-        next_obs = state_obs(next_obs)
         done = terminated | truncated
-        final_obs = torch.where(done[:, None], state_obs(info["final_obs"]), next_obs)
+        final_obs = where_obs(done, info["final_obs"], next_obs)
         bootstrap_base = queue.peek(final_obs, done)  # what the base policy would do at final_obs
         queue.reset(done.cpu())
         next_base = queue.act(next_obs)

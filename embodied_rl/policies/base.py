@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from embodied_rl.data.normalizer import Normalizer
 from embodied_rl.policies.nets import BACKBONES, ImageEncoder
+from embodied_rl.policies.text import check_text_encoder, embed_instructions
 
 Obs = Tensor | dict[str, Tensor]
 
@@ -52,6 +53,8 @@ class ChunkPolicy(nn.Module):
         vision_kwargs: dict[str, Any] | None = None,
         normalizer_mode: str = "minmax",
         task: str | None = None,
+        instructions: list[str] | None = None,
+        text_encoder: str = "hash",
     ):
         super().__init__()
         if not 1 <= n_obs_steps <= horizon:
@@ -80,18 +83,28 @@ class ChunkPolicy(nn.Module):
             "backbone_kwargs": dict(backbone_kwargs or {}), "obs_mode": obs_mode,
             "image_shape": list(image_shape) if image_shape else None,
             "vision_kwargs": dict(vision_kwargs or {}), "normalizer_mode": normalizer_mode,
-            "task": task,
+            "task": task, "instructions": list(instructions) if instructions else None,
+            "text_encoder": check_text_encoder(text_encoder),
         }
         if normalizer is None:
             normalizer = Normalizer.empty_like({"obs": self.obs_dim, "action": self.action_dim}, normalizer_mode)
         self.normalizer = normalizer
-        cond_dim = n_obs_steps * self.obs_dim
+        # per-step features: normalised state, image features, instruction embedding
+        self.feature_dim = self.obs_dim
         self.image_encoder = None
         if obs_mode == "pixels":
             self.image_encoder = ImageEncoder(image_shape, **(vision_kwargs or {}))
-            cond_dim += n_obs_steps * self.image_encoder.feature_dim
+            self.feature_dim += self.image_encoder.feature_dim
+        self.instructions = list(instructions or [])
+        text_dim = 0
+        if self.instructions:  # the table travels with the weights: loading needs no text encoder
+            self.register_buffer("instruction_embeddings", embed_instructions(self.instructions, text_encoder))
+            text_dim = self.instruction_embeddings.shape[1]
+            self.feature_dim += text_dim
+        # the conditioning: every step's state and image features, the instruction once
+        self.cond_dim = n_obs_steps * (self.feature_dim - text_dim) + text_dim
         self.net = BACKBONES[backbone](
-            action_dim=self.action_dim, horizon=horizon, cond_dim=cond_dim,
+            action_dim=self.action_dim, horizon=horizon, cond_dim=self.cond_dim,
             num_times=self.num_times, **(backbone_kwargs or {}),
         )
 
@@ -105,8 +118,10 @@ class ChunkPolicy(nn.Module):
         return next(self.parameters()).device
 
     def encode_obs(self, obs: Obs) -> Tensor:
-        """Raw obs history (Tensor [N, To, D], or {"state": [N, To, D], "pixels": u8 [N, To, h, w, 3]})
-        -> conditioning [N, C]. Normalises the state; the image encoder scales pixels to [0, 1]."""
+        """Raw obs history -> conditioning [N, cond_dim]. `obs` is a Tensor [N, To, D] or a dict
+        {"state": [N, To, D], "pixels": u8 [N, To, h, w, 3], "instruction": int64 [N, To]} with
+        the entries this policy reads. Normalises the state; the image encoder scales pixels to
+        [0, 1]; the instruction of the latest step picks its embedding."""
         state = obs["state"] if isinstance(obs, dict) else obs
         if state.ndim != 3 or state.shape[1:] != (self.n_obs_steps, self.obs_dim):
             raise ValueError(
@@ -114,12 +129,36 @@ class ChunkPolicy(nn.Module):
             )
         parts = [self.normalizer.normalize("obs", state.float()).flatten(1)]
         if self.image_encoder is not None:
-            pixels = obs.get("pixels") if isinstance(obs, dict) else None
-            if pixels is None:
-                raise ValueError("this policy uses pixels: pass obs={'state': ..., 'pixels': ...}")
-            features = self.image_encoder(pixels.flatten(0, 1))
+            features = self.image_encoder(self._entry(obs, "pixels").flatten(0, 1))
             parts.append(features.view(len(state), -1))
+        if self.instructions:
+            parts.append(self._instruction_embedding(self._entry(obs, "instruction")[:, -1]))
         return torch.cat(parts, dim=-1)
+
+    def obs_features(self, obs: Obs) -> Tensor:
+        """One observation per env (Tensor [N, D], or a dict of [N, ...] entries) -> the policy's
+        features of it [N, feature_dim]: normalised state, image features, instruction
+        embedding. Critics and RL heads read these, so they work for every policy and obs type."""
+        state = obs["state"] if isinstance(obs, dict) else obs
+        if state.ndim != 2 or state.shape[1] != self.obs_dim:
+            raise ValueError(f"obs must be [N, {self.obs_dim}], got {list(state.shape)}")
+        parts = [self.normalizer.normalize("obs", state.float())]
+        if self.image_encoder is not None:
+            parts.append(self.image_encoder(self._entry(obs, "pixels")))
+        if self.instructions:
+            parts.append(self._instruction_embedding(self._entry(obs, "instruction")))
+        return torch.cat(parts, dim=-1)
+
+    def _entry(self, obs: Obs, key: str) -> Tensor:
+        if not isinstance(obs, dict) or key not in obs:
+            raise ValueError(f"this policy reads '{key}': pass obs as a dict with 'state' and '{key}'")
+        return obs[key]
+
+    def _instruction_embedding(self, ids: Tensor) -> Tensor:
+        ids = ids.long()
+        if bool(((ids < 0) | (ids >= len(self.instructions))).any()):
+            raise ValueError(f"instruction ids must be in [0, {len(self.instructions)}), got {ids.tolist()}")
+        return self.instruction_embeddings[ids.to(self.instruction_embeddings.device)]
 
     def normalize_action(self, action: Tensor) -> Tensor:
         return self.normalizer.normalize("action", action)
@@ -131,9 +170,8 @@ class ChunkPolicy(nn.Module):
     @staticmethod
     def batch_obs(batch: dict[str, Tensor]) -> Obs:
         """The obs part of a training batch (see data.ChunkWindows) in predict_chunk's format."""
-        if "pixels" in batch:
-            return {"state": batch["obs"], "pixels": batch["pixels"]}
-        return batch["obs"]
+        extra = {key: batch[key] for key in ("pixels", "instruction") if key in batch}
+        return {"state": batch["obs"], **extra} if extra else batch["obs"]
 
     # ------------------------------------------------------------------ sampling
     def initial_noise(self, n: int, generator: torch.Generator | None = None) -> Tensor:

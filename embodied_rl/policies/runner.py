@@ -38,6 +38,16 @@ def map_obs(fn: Callable[..., Tensor], obs: Obs, *others: Obs) -> Obs:
     return fn(obs, *others)
 
 
+def index_obs(obs: Obs, index: Tensor | slice) -> Obs:
+    """The rows `index` of a tensor or dict observation."""
+    return map_obs(lambda o: o[index], obs)
+
+
+def where_obs(mask: Tensor, obs: Obs, other: Obs) -> Obs:
+    """Per env (mask [N]): the rows of `obs` where mask is set, else those of `other`."""
+    return map_obs(lambda a, b: torch.where(mask.to(a.device).view(-1, *([1] * (a.ndim - 1))), a, b), obs, other)
+
+
 def first_tensor(obs: Obs) -> Tensor:
     return next(iter(obs.values())) if isinstance(obs, dict) else obs
 

@@ -25,18 +25,23 @@ def tiny_policy(obs_dim: int = 8, action_dim: int = 2, seed: int = 0, task: str 
 
 
 class CountingPolicy:
-    """Wraps a ChunkPolicy and counts predict_chunk calls and the noises it saw."""
+    """Wraps a ChunkPolicy and counts runs of its sampler (`sample`, which predict_chunk runs) and
+    the noises it saw."""
 
     def __init__(self, policy):
         self.policy = policy
         self.calls = 0
         self.max_abs_noise = 0.0
 
-    def predict_chunk(self, obs, noise=None, generator=None):
+    def sample(self, cond, noise):
         self.calls += 1
-        if noise is not None:
-            self.max_abs_noise = max(self.max_abs_noise, float(noise.abs().max()))
-        return self.policy.predict_chunk(obs, noise=noise, generator=generator)
+        self.max_abs_noise = max(self.max_abs_noise, float(noise.abs().max()))
+        return self.policy.sample(cond, noise)
+
+    def predict_chunk(self, obs, noise=None, generator=None):
+        if noise is None:
+            noise = self.policy.initial_noise(len(self.policy.encode_obs(obs)), generator)
+        return self.policy.unnormalize_action(self.sample(self.policy.encode_obs(obs), noise))
 
     def __getattr__(self, name):
         return getattr(self.policy, name)
@@ -173,5 +178,5 @@ def test_vec_env_state_dict_continues_exactly():
     for noise, (obs, reward, done, infos) in zip(noises[3:], expected):
         obs2, reward2, done2, infos2 = resumed.step(noise)
         assert np.array_equal(obs, obs2) and np.array_equal(reward, reward2) and np.array_equal(done, done2)
-        assert all(np.array_equal(a["base_history"], b["base_history"]) for a, b in zip(infos, infos2))
+        assert all(np.array_equal(a["base_cond"], b["base_cond"]) for a, b in zip(infos, infos2))
     assert resumed.env_steps == vec_env.env_steps and resumed.sampler_calls == vec_env.sampler_calls
