@@ -21,6 +21,10 @@ def test_tasks_lists_every_task_with_its_columns(capsys, tmp_path, monkeypatch):
         assert registry.gym_id(name) in row and "mujoco_warp" in row
         assert task.success_criterion and row.endswith(task.success_criterion)
     assert rows["push_t"][header.index("expert"):].startswith("yes")
+    # the number of instructions, and the texts of a language-conditioned task after the table
+    assert rows["reach_choice"][header.index("instructions"):].split()[0] == "2"
+    assert rows["reach"][header.index("instructions"):].split()[0] == "-"
+    assert "reach_choice instructions: 0: 'reach the red target'; 1: 'reach the blue target'" in out
     assert "run_dir" not in out
     assert not any(tmp_path.iterdir())  # no run directory written
 

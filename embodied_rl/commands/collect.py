@@ -1,6 +1,7 @@
 """embodied-rl collect: run a task's scripted expert in parallel envs and write a demo dataset.
 
-Each env's episode is recorded step by step (state obs, action, reward, optionally pixels); a
+Each env's episode is recorded step by step (state obs, action, reward, optionally pixels, and
+for a task with instructions the step's instruction id, with the texts in attrs["instructions"]); a
 finished episode is kept if it succeeded (or always, with only_success=false or for a task
 without success, like hopper) and was not cut short by unstable physics. Collection stops once
 `demos` episodes are kept, or after `max_episodes` attempts (default 20 * demos): then whatever
@@ -53,7 +54,11 @@ def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_
     n = env.num_envs
     obs, _ = env.reset(seed=seed)
     expert.reset(torch.ones(n, dtype=torch.bool))
-    buffers: list[dict[str, list]] = [{"obs": [], "action": [], "reward": [], "pixels": []} for _ in range(n)]
+
+    def empty() -> dict[str, list]:
+        return {"obs": [], "action": [], "reward": [], "pixels": [], "instruction": []}
+
+    buffers = [empty() for _ in range(n)]
     kept: list[dict[str, np.ndarray]] = []
     attempted = successes = 0
     bar = progress(total=demos, desc="collect")
@@ -61,6 +66,7 @@ def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_
         action = expert.act(obs)
         state = (obs["state"] if isinstance(obs, dict) else obs).cpu().numpy()
         frames = obs["pixels"].cpu().numpy() if pixels else None
+        instruction = obs["instruction"].cpu().numpy() if isinstance(obs, dict) and "instruction" in obs else None
         obs, reward, _, _, info = env.step(action)
         action_np, reward_np = action.cpu().numpy(), reward.cpu().numpy()
         for i in range(n):
@@ -69,6 +75,8 @@ def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_
             buffers[i]["reward"].append(reward_np[i])
             if pixels:
                 buffers[i]["pixels"].append(frames[i])
+            if instruction is not None:
+                buffers[i]["instruction"].append(instruction[i])
         done = info["_episode"].cpu()
         success_once = info["episode"]["success_once"].cpu()
         unstable = info["unstable"].cpu()
@@ -81,7 +89,7 @@ def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_
                 episode["success"] = success
                 kept.append(episode)
                 bar.update(1)
-            buffers[i] = {"obs": [], "action": [], "reward": [], "pixels": []}
+            buffers[i] = empty()
         expert.reset(done)
     bar.close()
     return kept, attempted, successes
@@ -111,6 +119,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
             env, expert, cfg.demos, max_episodes, cfg.only_success and has_success, cfg.pixels, cfg.seed
         )
         obs_dim, action_dim = env.task.obs_dim, env.task.action_dim
+        instructions = list(env.instructions)
     finally:
         env.close()
     # a task without success reports no success rate; the demos' mean return stands in
@@ -126,6 +135,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         "quality": float(cfg.quality), "seed": int(cfg.seed), "backend": cfg.backend,
         "only_success": bool(cfg.only_success), "expert_success_rate": success_rate,
     }
+    if instructions:
+        attrs["instructions"] = instructions
     write_demos(out, kept, attrs)
     info = {
         "task": cfg.task.name,

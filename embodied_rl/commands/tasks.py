@@ -1,7 +1,9 @@
 """`embodied-rl tasks`: one line per registered task, as a plain aligned table.
 
 Columns: name, gymnasium id, backends, observation modes, max episode steps, scripted expert,
-success criterion (last, as it is a sentence). Writes no run directory.
+number of instructions ("-" for a task without them), success criterion (last, as it is a
+sentence). The instruction texts of language-conditioned tasks follow the table. Writes no run
+directory.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-HEADER = ("task", "gymnasium id", "backends", "obs modes", "max steps", "expert", "success criterion")
+HEADER = ("task", "gymnasium id", "backends", "obs modes", "max steps", "expert", "instructions",
+          "success criterion")
 
 
 def task_rows() -> list[tuple[str, ...]]:
@@ -21,14 +24,28 @@ def task_rows() -> list[tuple[str, ...]]:
     for name in registry.TASKS:
         task = registry.task_class(name)
         # Every Task runs on every backend: natively on the MuJoCo ones, and on gymnasium through
-        # its gymnasium registration (state observations only there).
-        backends = ", ".join(registry.BACKENDS)
+        # its gymnasium registration (state observations only there). The gymnasium backend takes
+        # Box observations only, so a task with instructions (dict observations) is not listed there.
+        backends = ", ".join(b for b in registry.BACKENDS if not (task.instructions and b == "gymnasium"))
         obs_modes = "state, pixels" if task.camera else "state"
         rows.append((
             name, registry.gym_id(name), backends, obs_modes, str(task.max_episode_steps),
-            "yes" if registry.has_expert(name) else "no", task.success_criterion or "-",
+            "yes" if registry.has_expert(name) else "no", str(len(task.instructions)) if task.instructions else "-",
+            task.success_criterion or "-",
         ))
     return rows
+
+
+def instruction_lines() -> list[str]:
+    """One line per language-conditioned task: its instructions, by id."""
+    from embodied_rl.envs import registry
+
+    lines = []
+    for name in registry.TASKS:
+        instructions = registry.task_class(name).instructions
+        if instructions:
+            lines.append(f"{name} instructions: " + "; ".join(f"{i}: {text!r}" for i, text in enumerate(instructions)))
+    return lines
 
 
 def format_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
@@ -40,6 +57,9 @@ def format_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
 
 def main(cfg: DictConfig) -> tuple[dict[str, Any], None]:
     print(format_table(HEADER, task_rows()))
+    lines = instruction_lines()
+    if lines:
+        print("\n" + "\n".join(lines))
     print("\ngymnasium supports the state observation mode only; "
           "override a task's episode length with task.max_episode_steps=N.")
     return {}, None

@@ -5,9 +5,12 @@
       data/action          float32 [T, A]   action taken at that step, in [-1, 1]
       data/reward          float32 [T]
       data/pixels          uint8 [T, H, W, 3]   only when collected with pixels=true
+      data/instruction     int64 [T]        only for a task with instructions: the step's
+                                            instruction id, an index into attrs["instructions"]
       meta/episode_ends    int64 [E]        exclusive end index of each episode in the step axis
       meta/episode_success bool [E]
-      attrs: format, task, obs_dim, action_dim, plus whatever the collector records
+      attrs: format, task, obs_dim, action_dim, instructions (list of str, with data/instruction),
+        plus whatever the collector records
 
 Episode e covers steps [episode_ends[e-1], episode_ends[e]) (0 for the first episode).
 Writes go to a temporary sibling and are renamed into place, so a dataset is whole or absent.
@@ -28,6 +31,7 @@ from embodied_rl.runs import atomic_dir
 
 FORMAT = "embodied_rl.demos/v1"
 STEP_KEYS = ("obs", "action", "reward")
+OPTIONAL_KEYS = ("pixels", "instruction")  # per-step arrays some datasets have
 # attrs flag of datasets whose every chunk was written (write_empty_chunks); in older ones a chunk
 # of all-zero rewards or all-False successes may be absent on purpose
 ALL_CHUNKS = "all_chunks_written"
@@ -37,8 +41,9 @@ WRITE_EVERY_CHUNK = {"write_empty_chunks": True}
 
 
 def write_demos(path: str | Path, episodes: list[dict[str, np.ndarray]], attrs: dict[str, Any]) -> Path:
-    """Write episodes (dicts of per-step arrays: obs, action, reward, optional pixels, and a
-    scalar `success`) as one zarr dataset at `path`. Refuses to overwrite an existing path."""
+    """Write episodes (dicts of per-step arrays: obs, action, reward, optional pixels and
+    instruction, and a scalar `success`) as one zarr dataset at `path`; episodes with an
+    instruction need attrs["instructions"]. Refuses to overwrite an existing path."""
     import zarr
 
     path = Path(path)
@@ -46,14 +51,18 @@ def write_demos(path: str | Path, episodes: list[dict[str, np.ndarray]], attrs: 
         raise UserError(f"dataset path '{path}' already exists; nothing was overwritten")
     if not episodes:
         raise UserError("no episodes to write")
-    keys = list(STEP_KEYS) + (["pixels"] if "pixels" in episodes[0] else [])
+    keys = list(STEP_KEYS) + [key for key in OPTIONAL_KEYS if key in episodes[0]]
+    if "instruction" in keys and not attrs.get("instructions"):
+        raise ValueError("episodes with an instruction need attrs['instructions'] (the instruction texts)")
     lengths = [len(ep["action"]) for ep in episodes]
     with atomic_dir(path) as tmp:
         root = zarr.open_group(str(tmp), mode="w")
         data = root.create_group("data")
         for key in keys:
             array = np.concatenate([np.asarray(ep[key]) for ep in episodes], axis=0)
-            if key != "pixels":
+            if key == "instruction":
+                array = array.astype(np.int64)
+            elif key != "pixels":
                 array = array.astype(np.float32)
             chunks = (min(len(array), 1024 if key != "pixels" else 64),) + array.shape[1:]
             data.create_array(key, data=array, chunks=chunks, config=WRITE_EVERY_CHUNK)
@@ -76,6 +85,25 @@ def _check_every_chunk(root: Any, path: Path, strict: bool) -> None:
                                 f"{array.nchunks} chunk files")
 
 
+def _check_instructions(path: Path, instruction: np.ndarray | None, texts: Any) -> list[str]:
+    """The dataset's instruction texts ([] when it has none); refuses a step array without its
+    texts (or the reverse), non-integer ids and ids outside the list."""
+    if instruction is None and not texts:
+        return []
+    if instruction is None:
+        raise UserError(f"dataset '{path}' is corrupt: attrs list instructions but data/instruction is missing")
+    if not texts or not isinstance(texts, list) or not all(isinstance(text, str) for text in texts):
+        raise UserError(f"dataset '{path}' is corrupt: data/instruction needs attrs['instructions'], "
+                        "a list of instruction texts")
+    if instruction.ndim != 1 or not np.issubdtype(instruction.dtype, np.integer):
+        raise UserError(f"dataset '{path}' is corrupt: data/instruction must be integer ids [T], "
+                        f"got {instruction.dtype} {instruction.shape}")
+    if len(instruction) and (instruction.min() < 0 or instruction.max() >= len(texts)):
+        raise UserError(f"dataset '{path}' is corrupt: data/instruction holds ids outside "
+                        f"[0, {len(texts)}) (attrs['instructions'] has {len(texts)})")
+    return list(texts)
+
+
 @dataclass
 class DemoDataset:
     """A demo dataset loaded into memory (the built-in tasks' datasets are small)."""
@@ -88,6 +116,8 @@ class DemoDataset:
     episode_success: np.ndarray
     pixels: np.ndarray | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
+    instruction: np.ndarray | None = None  # int64 [T]: index into `instructions`, per step
+    instructions: list[str] = field(default_factory=list)  # the task's instructions ([]: none)
 
     @property
     def num_episodes(self) -> int:
@@ -115,6 +145,7 @@ class DemoDataset:
             _check_every_chunk(root, path, strict=bool(attrs.get(ALL_CHUNKS)))
             arrays = {key: root["data"][key][:] for key in STEP_KEYS}
             pixels = root["data"]["pixels"][:] if "pixels" in root["data"] else None
+            instruction = root["data"]["instruction"][:] if "instruction" in root["data"] else None
             ends = root["meta"]["episode_ends"][:].astype(np.int64)
             success = root["meta"]["episode_success"][:].astype(bool)
         except UserError:
@@ -127,13 +158,19 @@ class DemoDataset:
         lengths = {key: len(value) for key, value in arrays.items()}
         if pixels is not None:
             lengths["pixels"] = len(pixels)
+        if instruction is not None:
+            lengths["instruction"] = len(instruction)
         if len(set(lengths.values())) != 1:
             raise UserError(f"dataset '{path}' is corrupt: step arrays have different lengths {lengths}")
         if len(ends) == 0 or ends[-1] != steps or np.any(np.diff(ends) <= 0) or len(success) != len(ends):
             raise UserError(f"dataset '{path}' is corrupt: meta/episode_ends does not match {steps} steps")
         if not (np.isfinite(arrays["obs"]).all() and np.isfinite(arrays["action"]).all()):
             raise UserError(f"dataset '{path}' is corrupt: non-finite values in obs or action")
-        dataset = cls(path, arrays["obs"], arrays["action"], arrays["reward"], ends, success, pixels, attrs)
+        instructions = _check_instructions(path, instruction, attrs.get("instructions"))
+        if instruction is not None:
+            instruction = instruction.astype(np.int64)
+        dataset = cls(path, arrays["obs"], arrays["action"], arrays["reward"], ends, success, pixels, attrs,
+                      instruction, instructions)
         if max_episodes is not None and max_episodes < dataset.num_episodes:
             dataset = dataset.first_episodes(max_episodes)
         return dataset
@@ -144,4 +181,5 @@ class DemoDataset:
             self.path, self.obs[:end], self.action[:end], self.reward[:end],
             self.episode_ends[:count], self.episode_success[:count],
             None if self.pixels is None else self.pixels[:end], dict(self.attrs),
+            None if self.instruction is None else self.instruction[:end], list(self.instructions),
         )

@@ -44,8 +44,10 @@ class ChunkWindows:
     """All windows of a demo dataset, served as torch batches in environment units.
 
     batch keys: "obs" f32 [B, To, D] and "action" f32 [B, H, A], plus "pixels" u8
-    [B, To, h, w, 3] when obs_mode == "pixels". The policy normalises obs and actions with the
-    Normalizer it carries (fit with `fit_normalizer`) and its image encoder scales pixels to [0, 1].
+    [B, To, h, w, 3] when obs_mode == "pixels" and "instruction" int64 [B, To] (ids into
+    `instructions`, at the steps of "obs") when the dataset has instructions. The policy
+    normalises obs and actions with the Normalizer it carries (fit with `fit_normalizer`) and its
+    image encoder scales pixels to [0, 1].
     """
 
     def __init__(
@@ -69,6 +71,9 @@ class ChunkWindows:
         self.obs = torch.as_tensor(dataset.obs, dtype=torch.float32).to(device)
         self.action = torch.as_tensor(dataset.action, dtype=torch.float32).to(device)
         self.pixels = torch.from_numpy(dataset.pixels).to(device) if obs_mode == "pixels" else None
+        self.instructions = list(dataset.instructions)
+        self.instruction = (torch.as_tensor(dataset.instruction, dtype=torch.long).to(device)
+                            if dataset.instruction is not None else None)
         self.device = torch.device(device)
 
     def __len__(self) -> int:
@@ -79,6 +84,8 @@ class ChunkWindows:
         out = {"obs": self.obs[self.obs_index[indices]], "action": self.action[self.action_index[indices]]}
         if self.pixels is not None:
             out["pixels"] = self.pixels[self.obs_index[indices]]
+        if self.instruction is not None:
+            out["instruction"] = self.instruction[self.obs_index[indices]]
         return out
 
     def sample(self, batch_size: int, generator: torch.Generator | None = None) -> dict[str, Tensor]:

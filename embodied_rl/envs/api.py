@@ -40,12 +40,16 @@ class SimState:
     Native MuJoCo keeps float64 (the views share memory with the simulator's buffers, no copies);
     MuJoCo Warp keeps float32. Tasks must not rely on the dtype and return float32 results.
     Writing into these views writes the simulator state; only backends and tests should do that.
+    `instruction` is the env's per-env instruction id (int64, on the same device as the other
+    tensors) for a task with `Task.instructions`, None otherwise; SimBatchedEnv owns that tensor
+    and draws a new id at every reset of an env.
     """
 
     qpos: Tensor  # [N, nq]
     qvel: Tensor  # [N, nv]
     sensordata: Tensor  # [N, nsensordata]  tasks read body/site poses through MJCF sensors
     ctrl: Tensor  # [N, nu]
+    instruction: Tensor | None = None  # [N] int64 index into Task.instructions
 
 
 def sensor_slice(model: Any, name: str) -> slice:
@@ -105,6 +109,10 @@ class Task:
     constructor override class attributes (e.g. `ReachTask(max_episode_steps=100)`); unknown
     names raise UserError. `terminated = success & success_terminates | failure`;
     `truncated = step count reached max_episode_steps and not terminated`.
+
+    A language-conditioned task lists its instructions (`instructions`, non-empty): the env
+    draws one per episode with `sample_instruction`, hands it to `observe`/`evaluate` as
+    `SimState.instruction` and adds it to every observation (obs["instruction"]).
     """
 
     name: str = ""  # registry name, e.g. "reach"
@@ -118,6 +126,7 @@ class Task:
     has_success: bool = True  # False for tasks with no success notion (e.g. hopper)
     success_terminates: bool = True  # whether reaching success ends the episode
     success_criterion: str = ""  # one sentence, shown by `embodied-rl tasks`
+    instructions: tuple[str, ...] = ()  # non-empty: language-conditioned (obs["instruction"] ids)
 
     def __init__(self, **overrides: Any):
         for key, value in overrides.items():
@@ -145,6 +154,14 @@ class Task:
         a seed gives the same episodes on every device.
         """
         raise NotImplementedError
+
+    def sample_instruction(self, n: int, generator: torch.Generator) -> Tensor:
+        """Instruction ids of n new episodes, int64 [n] on the CPU, drawn with the env's CPU
+        `generator` (default: uniform over `instructions`). Only called when `instructions` is
+        non-empty."""
+        if not self.instructions:
+            raise ValueError(f"task '{self.name}' has no instructions")
+        return torch.randint(len(self.instructions), (n,), generator=generator)
 
     def action_to_ctrl(self, action: Tensor) -> Tensor:
         """Map actions [N, A] in [-1, 1] to actuator controls [N, nu]."""
@@ -177,6 +194,10 @@ class BatchedEnv:
       other rows are the returned obs),
       "_episode" bool[N] and "episode" {"return" f32[N], "length" i64[N], "success_once" bool[N]}
       (valid where _episode is set).
+
+    `instructions` lists the task's instructions ([] for a task without them). When it is
+    non-empty every observation is a dict holding "instruction" int64 [N] (an index into it)
+    next to "state" (and "pixels"); final_obs holds the finished episode's instruction.
     """
 
     num_envs: int
@@ -212,6 +233,12 @@ class BatchedEnv:
 
     def close(self) -> None:
         pass
+
+    @property
+    def instructions(self) -> list[str]:
+        """The task's instructions; obs["instruction"] indexes this list ([]: none)."""
+        task = self.task
+        return list(task.instructions) if task is not None else []
 
     @property
     def action_dim(self) -> int:
@@ -323,6 +350,11 @@ class SimBatchedEnv(BatchedEnv):
     A state that is broken when it is written (a reset, an initial state the simulator refuses
     or that is not finite) is put back to the model's reference pose at rest, so the observation
     stays finite, and the env's next step counts as unstable in the same way.
+
+    For a task with instructions, `_instruction` (int64 [N] on sim_device, None otherwise) holds
+    each env's instruction id, drawn per episode with `task.sample_instruction` from the env's
+    generator; backends pass it to the SimState they build (`SimState(..., instruction=
+    self._instruction)`), and it is only ever updated in place.
     """
 
     sim_device: torch.device = torch.device("cpu")
@@ -362,13 +394,17 @@ class SimBatchedEnv(BatchedEnv):
         self._unstable_pending = torch.zeros(num_envs, dtype=torch.bool, device=self.device)
         self.stats = EpisodeStats(self.num_envs, self.device)
         self._obs: Obs | None = None
+        # per-env instruction ids (language-conditioned tasks): drawn at every reset
+        self._instruction: Tensor | None = (
+            torch.zeros(num_envs, dtype=torch.long, device=self.sim_device) if task.instructions else None)
 
         state_space = gymnasium.spaces.Box(-np.inf, np.inf, (task.obs_dim,), np.float32)
+        spaces: dict[str, gymnasium.Space] = {"state": state_space}
         if obs_mode == "pixels":
-            pixel_space = gymnasium.spaces.Box(0, 255, (self.image_size, self.image_size, 3), np.uint8)
-            self.single_observation_space = gymnasium.spaces.Dict({"state": state_space, "pixels": pixel_space})
-        else:
-            self.single_observation_space = state_space
+            spaces["pixels"] = gymnasium.spaces.Box(0, 255, (self.image_size, self.image_size, 3), np.uint8)
+        if task.instructions:
+            spaces["instruction"] = gymnasium.spaces.Discrete(len(task.instructions))
+        self.single_observation_space = gymnasium.spaces.Dict(spaces) if len(spaces) > 1 else state_space
         self.single_action_space = gymnasium.spaces.Box(-1.0, 1.0, (task.action_dim,), np.float32)
 
     # ---- physics primitives (backends) ----
@@ -403,17 +439,22 @@ class SimBatchedEnv(BatchedEnv):
         state_obs = self.task.observe(self.state).to(device=self.device, dtype=torch.float32)
         if env_ids is not None:
             state_obs = state_obs[env_ids.to(state_obs.device)]
-        if self.obs_mode == "state":
+        if self.obs_mode == "state" and self._instruction is None:
             return state_obs
-        ids = self._env_ids(env_ids)
-        pixels = self._render_frames(ids, self.image_size).to(self.device)
-        return {"state": state_obs, "pixels": pixels}
+        obs = {"state": state_obs}
+        if self.obs_mode == "pixels":
+            obs["pixels"] = self._render_frames(self._env_ids(env_ids), self.image_size).to(self.device)
+        if self._instruction is not None:
+            instruction = self._instruction if env_ids is None else self._instruction[env_ids.to(self.sim_device)]
+            obs["instruction"] = instruction.to(self.device, copy=True)
+        return obs
 
     def _reset_envs(self, env_ids: Tensor, group_size: int | None = None) -> None:
         n = len(env_ids)
         if n == 0:
             return
-        if group_size is not None and group_size > 1:
+        grouped = group_size is not None and group_size > 1
+        if grouped:
             if n % group_size:
                 raise ValueError(f"group_size {group_size} must divide the number of envs reset ({n})")
             qpos, qvel = self.task.sample_init(n // group_size, self.generator, self.sim_device)
@@ -422,6 +463,11 @@ class SimBatchedEnv(BatchedEnv):
         else:
             qpos, qvel = self.task.sample_init(n, self.generator, self.sim_device)
         sim_ids = env_ids.to(self.sim_device)
+        if self._instruction is not None:  # drawn after the initial states, from the same generator
+            instruction = self.task.sample_instruction(n // group_size if grouped else n, self.generator)
+            if grouped:
+                instruction = instruction.repeat_interleave(group_size)
+            self._instruction[sim_ids] = instruction.to(self.sim_device, torch.long)
         refused = self._write_state(sim_ids, qpos, qvel)
         broken = torch.zeros(n, dtype=torch.bool) if refused is None else refused.cpu()
         not_finite = ~self._state_is_finite()[sim_ids].cpu()
@@ -443,7 +489,8 @@ class SimBatchedEnv(BatchedEnv):
         """Reset all envs, or only `env_ids` (indices or a bool[N] mask); return obs of all N.
 
         A seed reseeds the env's generator first, so the same seed gives the same episodes.
-        `group_size=G` gives consecutive groups of G reset envs the same initial state (GRPO).
+        `group_size=G` gives consecutive groups of G reset envs the same initial state and the
+        same instruction (GRPO).
         """
         if seed is not None:
             self.generator.manual_seed(int(seed))
@@ -510,7 +557,8 @@ class SimBatchedEnv(BatchedEnv):
     def get_state(self) -> dict[str, Tensor]:
         """Everything `step` continues from, as CPU tensors: the simulator's state per env
         ("sim/..."), the step counters, episode statistics, the generator, the unstable count,
-        the pending unstable flags and the last observation ("obs" or "obs/<key>")."""
+        the pending unstable flags, the instruction ids ("instruction", for a task with
+        instructions) and the last observation ("obs" or "obs/<key>")."""
         if self._obs is None:
             raise RuntimeError("call reset() before get_state()")
         state = {f"sim/{key}": value.detach().cpu().clone() for key, value in self._get_sim_state().items()}
@@ -523,6 +571,8 @@ class SimBatchedEnv(BatchedEnv):
             "unstable_resets": torch.tensor(self.unstable_resets),
             "unstable_pending": self._unstable_pending.cpu().clone(),
         })
+        if self._instruction is not None:
+            state["instruction"] = self._instruction.cpu().clone()
         if isinstance(self._obs, dict):
             state.update({f"obs/{key}": value.cpu().clone() for key, value in self._obs.items()})
         else:
@@ -532,15 +582,25 @@ class SimBatchedEnv(BatchedEnv):
     def set_state(self, state: dict[str, Tensor]) -> None:
         """Restore a `get_state` snapshot of an env made with the same task, num_envs and
         obs_mode (a mismatch is a UserError naming the part)."""
-        obs_keys = [f"obs/{key}" for key in self.single_observation_space.spaces] \
-            if self.obs_mode == "pixels" else ["obs"]
+        dict_obs = isinstance(self.single_observation_space, gymnasium.spaces.Dict)
+        obs_keys = [f"obs/{key}" for key in self.single_observation_space.spaces] if dict_obs else ["obs"]
         required = ["elapsed", "episode/return", "episode/length", "episode/success_once", "generator",
                     "unstable_resets", "unstable_pending", *obs_keys]
+        if self._instruction is not None:
+            required.append("instruction")
         missing = [key for key in required if key not in state]
         if missing:
             raise UserError(f"env state is missing '{missing[0]}'")
         if tuple(state["elapsed"].shape) != (self.num_envs,):
             raise UserError(f"env state holds {tuple(state['elapsed'].shape)[0]} envs, this env has {self.num_envs}")
+        if self._instruction is None and "instruction" in state:
+            raise UserError("env state holds instructions, this env's task has none (another task?)")
+        if self._instruction is not None:
+            instruction = state["instruction"]
+            if tuple(instruction.shape) != (self.num_envs,) or instruction.dtype != torch.long or bool(
+                    ((instruction < 0) | (instruction >= len(self.task.instructions))).any()):
+                raise UserError(f"env state 'instruction' must hold int64 ids in [0, "
+                                f"{len(self.task.instructions)}) (another task?)")
         self._set_sim_state({key[4:]: value for key, value in state.items() if key.startswith("sim/")})
         device = self.device
         self.elapsed = state["elapsed"].to(device, torch.long).clone()
@@ -550,7 +610,9 @@ class SimBatchedEnv(BatchedEnv):
         self.generator.set_state(state["generator"].cpu())
         self.unstable_resets = int(state["unstable_resets"])
         self._unstable_pending = state["unstable_pending"].to(device).clone()
-        if self.obs_mode == "pixels":
+        if self._instruction is not None:
+            self._instruction.copy_(state["instruction"])  # in place: the SimState holds this tensor
+        if dict_obs:
             self._obs = {key[4:]: state[key].to(device).clone() for key in obs_keys}
         else:
             self._obs = state["obs"].to(device).clone()

@@ -1,8 +1,9 @@
 """Every task as a plain single-env gymnasium.Env, for Stable-Baselines3 and other libraries.
 
-`import embodied_rl.envs` registers `embodied_rl/<Name>-v0` (Reach, PushT, Lift, PegInsert,
-Hopper). Without that import, `gymnasium.make("embodied_rl.envs:embodied_rl/Reach-v0")` imports
-the module first (gymnasium's "module:id" syntax; gymnasium 1.x has no plugin entry points).
+`import embodied_rl.envs` registers `embodied_rl/<Name>-v0` (Reach, ReachChoice, PushT, Lift,
+PegInsert, Hopper). Without that import, `gymnasium.make("embodied_rl.envs:embodied_rl/Reach-v0")`
+imports the module first (gymnasium's "module:id" syntax; gymnasium 1.x has no plugin entry
+points).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from embodied_rl.envs.registry import GYM_NAMES, TASKS, gym_id
 class GymEnv(gymnasium.Env):
     """One env of a BatchedEnv(num_envs=1): numpy float32 obs and actions, info["is_success"].
 
+    A task with instructions (or obs_mode="pixels") gives dict observations: "state" float32,
+    "instruction" np.int64 (an index into `instructions`), "pixels" uint8.
+
     The episode ends with the task's own terminated/truncated flags (its max_episode_steps).
     """
 
@@ -33,12 +37,14 @@ class GymEnv(gymnasium.Env):
         self.batched = make(task, num_envs=1, backend=backend, **make_options)
         self.observation_space = self.batched.single_observation_space
         self.action_space = self.batched.single_action_space
+        self.instructions = self.batched.instructions
         self._seeded = False
 
     @staticmethod
     def _numpy(obs: Any) -> Any:
-        if isinstance(obs, dict):
-            return {key: value[0].cpu().numpy() for key, value in obs.items()}
+        if isinstance(obs, dict):  # "instruction" (a language-conditioned task) as an np.int64
+            return {key: np.int64(value[0].item()) if key == "instruction" else value[0].cpu().numpy()
+                    for key, value in obs.items()}
         return obs[0].cpu().numpy()
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):

@@ -18,6 +18,7 @@ from embodied_rl.errors import UserError
 
 TASKS: dict[str, tuple[str, str]] = {
     "reach": ("embodied_rl.envs.tasks.reach", "ReachTask"),
+    "reach_choice": ("embodied_rl.envs.tasks.reach_choice", "ReachChoiceTask"),
     "push_t": ("embodied_rl.envs.tasks.push_t", "PushTTask"),
     "lift": ("embodied_rl.envs.tasks.lift", "LiftTask"),
     "peg_insert": ("embodied_rl.envs.tasks.peg_insert", "PegInsertTask"),
@@ -27,6 +28,7 @@ TASKS: dict[str, tuple[str, str]] = {
 # gymnasium ids: embodied_rl/<GymName>-v0
 GYM_NAMES: dict[str, str] = {
     "reach": "Reach",
+    "reach_choice": "ReachChoice",
     "push_t": "PushT",
     "lift": "Lift",
     "peg_insert": "PegInsert",
@@ -149,7 +151,7 @@ def make(
 ) -> BatchedEnv:
     """Make N copies of a task on a backend.
 
-    `name` is a registered task (reach, push_t, lift, peg_insert, hopper), or for
+    `name` is a registered task (reach, reach_choice, push_t, lift, peg_insert, hopper), or for
     backend="gymnasium" a gymnasium env id. `obs_mode="pixels"` returns obs dicts
     {"state": f32 [N, D], "pixels": u8 [N, image_size, image_size, 3]}. `task_options` override
     Task class attributes (e.g. {"max_episode_steps": 100}); `backend_options` go to the backend.

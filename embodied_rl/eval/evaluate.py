@@ -10,6 +10,10 @@ discarded. A round whose slots outnumber the remaining episodes counts only the 
 Success is `success_once`: an episode is a success if the task's success test held at any step
 of it, never a threshold on the mean or max reward.
 
+For an env with instructions (`env.instructions`, a language-conditioned task) each record holds
+its episode's instruction text and `overall.success_by_instruction` breaks the success rate down
+by instruction. The agent receives the env's observations unchanged (dicts with "instruction").
+
 Each round also seeds the agent's sampling with the same number: the global torch RNG (inside
 a fork, so the caller's RNG state is untouched) and the agent's own generator (`seed_agent`).
 
@@ -123,6 +127,7 @@ def _run_round(env, agent, reset_seed, first_episode, slots, videos, video_dir, 
     task = getattr(env, "task", None)
     has_success = bool(getattr(task, "has_success", True))
     max_steps = getattr(env, "max_episode_steps", None) or getattr(task, "max_episode_steps", None)
+    instructions = list(getattr(env, "instructions", None) or [])
     num_envs = int(env.num_envs)
     slots = num_envs if slots is None else slots
     device = getattr(env, "device", "cpu")
@@ -184,6 +189,8 @@ def _run_round(env, agent, reset_seed, first_episode, slots, videos, video_dir, 
                 "length": int(length[i]),
                 "video": str(video) if video is not None else None,
             }
+            if instructions:  # the finished episode's instruction, from its last observation
+                records[i]["instruction"] = instructions[int(info["final_obs"]["instruction"][i])]
             if bar is not None:
                 bar.update(1)
         running &= ~done
@@ -248,6 +255,8 @@ def summarize(per_episode: list[dict[str, Any]], has_success: bool = True) -> di
             success_rate=successes / n,
             success_ci95=[low, high],
         )
+        if any("instruction" in e for e in per_episode):
+            overall["success_by_instruction"] = success_by_instruction(per_episode)
     overall.update(
         avg_sum_reward=return_stats["mean"],
         std_sum_reward=return_stats["std"],
@@ -258,6 +267,18 @@ def summarize(per_episode: list[dict[str, Any]], has_success: bool = True) -> di
         avg_episode_length=sum(e["length"] for e in per_episode) / n,
     )
     return overall
+
+
+def success_by_instruction(per_episode: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """{instruction text: {"n_episodes", "n_success", "success_rate"}} over the records that
+    hold an instruction, in order of first appearance."""
+    groups: dict[str, list[bool]] = {}
+    for e in per_episode:
+        if "instruction" in e:
+            groups.setdefault(e["instruction"], []).append(bool(e["success"]))
+    return {text: {"n_episodes": len(outcomes), "n_success": sum(outcomes),
+                   "success_rate": sum(outcomes) / len(outcomes)}
+            for text, outcomes in groups.items()}
 
 
 def format_headline(overall: dict[str, Any]) -> str:

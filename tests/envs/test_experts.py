@@ -1,6 +1,8 @@
-"""Scripted experts of push_t, lift and peg_insert: success at quality 1, degradation, determinism.
+"""Scripted experts of reach_choice, push_t, lift and peg_insert: success at quality 1,
+degradation, determinism.
 
-The >= 95% measurement over 100 envs is in docs/tasks.md; here 16 envs keep the tests fast.
+The >= 95% measurement over 100 envs is in docs/tasks.md; here 16 envs keep the tests fast
+(reach_choice per instruction: tests/envs/test_instructions.py).
 """
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 from embodied_rl.envs.experts import make_expert
 from embodied_rl.envs.registry import make
 
-EXPERT_TASKS = ["push_t", "lift", "peg_insert"]
+EXPERT_TASKS = ["reach_choice", "push_t", "lift", "peg_insert"]
 
 
 def run_episodes(

@@ -2,7 +2,9 @@
 
 Each task: make/reset/step with random actions (shapes, finite values), seeding, its config
 against its class; and success (or failure, for hopper) on hand-constructed states through the
-task's own evaluate(). A task added to the registry is picked up here.
+task's own evaluate(). A task added to the registry is picked up here; a task with instructions
+gives dict observations, whose "state" is checked here (tests/envs/test_instructions.py covers
+the rest).
 """
 
 import math
@@ -20,6 +22,20 @@ from embodied_rl.errors import UserError
 from embodied_rl.paths import config_dir
 
 TASKS = [name for name in REGISTERED_TASKS if name != "reach"]
+
+
+def state_obs(obs):
+    """The state part of an observation (a task with instructions gives a dict)."""
+    return obs["state"] if isinstance(obs, dict) else obs
+
+
+def check_instruction(obs, task, n):
+    if task.instructions:
+        assert set(obs) == {"state", "instruction"}
+        assert obs["instruction"].shape == (n,) and obs["instruction"].dtype == torch.int64
+        assert ((obs["instruction"] >= 0) & (obs["instruction"] < len(task.instructions))).all()
+    else:
+        assert isinstance(obs, torch.Tensor)
 
 
 def state_from_qpos(task, qpos: torch.Tensor) -> SimState:
@@ -48,12 +64,16 @@ def test_make_reset_step_random_actions(name):
     env = make(name, num_envs=3, seed=0, threads=1)
     task = env.task
     obs, _ = env.reset(seed=0)
+    check_instruction(obs, task, 3)
+    obs = state_obs(obs)
     assert obs.shape == (3, task.obs_dim) and obs.dtype == torch.float32
     assert env.single_action_space.shape == (task.action_dim,)
     generator = torch.Generator().manual_seed(0)
     for _ in range(5):
         action = torch.rand(3, task.action_dim, generator=generator) * 2 - 1
         obs, reward, terminated, truncated, info = env.step(action)
+        check_instruction(obs, task, 3)
+        obs = state_obs(obs)
         assert obs.shape == (3, task.obs_dim) and torch.isfinite(obs).all()
         assert (
             reward.shape == (3,) and reward.dtype == torch.float32 and torch.isfinite(reward).all()
@@ -68,6 +88,9 @@ def test_same_seed_same_initial_states(name):
     first, _ = make(name, num_envs=4, seed=0, threads=1).reset(seed=7)
     again, _ = make(name, num_envs=4, seed=1, threads=1).reset(seed=7)
     other, _ = make(name, num_envs=4, seed=0, threads=1).reset(seed=8)
+    if isinstance(first, dict):  # instructions too
+        assert torch.equal(first["instruction"], again["instruction"])
+        first, again, other = first["state"], again["state"], other["state"]
     assert torch.equal(first, again)
     assert not torch.allclose(first, other)
     assert not torch.allclose(first[0], first[1])  # envs differ from each other

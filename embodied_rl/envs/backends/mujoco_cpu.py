@@ -95,6 +95,7 @@ class MujocoCpuEnv(SimBatchedEnv):
             qvel=torch.from_numpy(self._qvel),
             sensordata=torch.from_numpy(self._sensordata),
             ctrl=torch.from_numpy(self._ctrl),
+            instruction=self._instruction,  # SimBatchedEnv's per-env ids (None without instructions)
         )
         # Per env, the numpy views a step touches, made once: (data, data.ctrl, batched ctrl row,
         # (source, destination) pairs copied out after a step). Building them costs microseconds

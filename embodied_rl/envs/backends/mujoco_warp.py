@@ -99,6 +99,7 @@ class MujocoWarpEnv(SimBatchedEnv):
             qvel=wp.to_torch(d.qvel),
             sensordata=wp.to_torch(d.sensordata),
             ctrl=wp.to_torch(d.ctrl),
+            instruction=self._instruction,  # SimBatchedEnv's per-env ids (None without instructions)
         )
         self._reset_mask_torch = wp.to_torch(self._reset_mask)
 
