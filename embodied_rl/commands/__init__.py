@@ -107,7 +107,8 @@ def recorded_task(policy: Any, path: Path) -> str | None:
 
 def checkpoint_task(policy: Any, path: Path, requested: str | None) -> str:
     """The task to run a policy checkpoint on: the one it records, which must be a known task,
-    agree with task= when that is given, and match the policy's observation and action sizes.
+    agree with task= when that is given, and match the policy's observation and action sizes and,
+    for a language-conditioned policy, the task's instruction list (its ids index that list).
     Anything else is a UserError (eval and finetune refuse the same checkpoints)."""
     from embodied_rl.envs.registry import TASKS, task_class
 
@@ -126,4 +127,8 @@ def checkpoint_task(policy: Any, path: Path, requested: str | None) -> str:
     if sizes != (task.obs_dim, task.action_dim):
         raise UserError(f"checkpoint '{path}' has observation and action sizes {sizes}, but task '{trained_on}' "
                         f"has {(task.obs_dim, task.action_dim)}")
+    instructions = list(getattr(policy, "instructions", None) or [])
+    if instructions and instructions != list(task.instructions):
+        raise UserError(f"checkpoint '{path}' was trained on the instructions {instructions}, but task '{trained_on}' "
+                        f"has {list(task.instructions)}")
     return trained_on

@@ -60,6 +60,9 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"policy.backbone must be 'mlp' or 'unet', got {policy.backbone!r}")
     if policy.normalizer not in ("minmax", "meanstd"):
         raise UserError(f"policy.normalizer must be 'minmax' or 'meanstd', got {policy.normalizer!r}")
+    from embodied_rl.policies.text import check_text_encoder
+
+    check_text_encoder(policy.text_encoder)
     for key in ("n_obs_steps", "horizon", "n_action_steps", "num_inference_steps", "warmup_steps"):
         _positive(cfg, f"policy.{key}", allow_zero=key == "warmup_steps")
     if not float(policy.lr) > 0:
@@ -84,7 +87,8 @@ def build_policy(cfg: DictConfig, dataset: Any, obs_mode: str, task: str | None)
             backbone_kwargs=OmegaConf.to_container(p[p.backbone], resolve=True),
             obs_mode=obs_mode, image_shape=image_shape,
             vision_kwargs=OmegaConf.to_container(p.vision, resolve=True),
-            normalizer_mode=p.normalizer, task=task, **specific,
+            normalizer_mode=p.normalizer, task=task,
+            instructions=list(dataset.instructions) or None, text_encoder=p.text_encoder, **specific,
         )
     except ValueError as error:  # a bad combination of sizes, e.g. n_action_steps > horizon
         if isinstance(error, UserError):
