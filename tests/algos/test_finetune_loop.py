@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from embodied_rl.algos.common import FinetuneLoop, find_checkpoint, write_checkpoint
 from embodied_rl.cli import main
+from embodied_rl.commands.finetune import ALGOS
 from embodied_rl.errors import Diverged, UserError
 from embodied_rl.runs import Run, read_metrics
 from tests.test_finetune_cli import TINY, checkpoints  # noqa: F401  (a module fixture)
@@ -151,17 +152,45 @@ def train_rows(run_dir):
     return rows
 
 
-@pytest.mark.parametrize("algo,extra", [
-    ("residual_ppo", RESIDUAL[1:]),
-    ("dppo", ["algo.num_steps=4"]),
-    ("residual_offpolicy", ["algo.warmup_env_steps=16", "algo.critic_only_steps=16", "algo.batch_size=16",
-                            "algo.actor_hidden_sizes=[16,16]", "algo.critic_hidden_sizes=[16,16]"]),
-    ("dsrl", ["algo.warmup_env_steps=16", "algo.critic_only_steps=16", "algo.batch_size=16",
-              "algo.hidden_sizes=[16,16]"]),
-])
-def test_a_resumed_run_continues_exactly_as_if_never_stopped(algo, extra, checkpoints, tmp_path, capsys):  # noqa: F811
-    policy = "diffusion" if algo == "dppo" else "flow"
-    tiny = TINY if algo in ("residual_ppo", "dppo") else TINY[:-1]
+OFF_POLICY = ["algo.warmup_env_steps=16", "algo.critic_only_steps=16", "algo.batch_size=16"]
+RESIDUAL_OFF_POLICY = [*OFF_POLICY, "algo.actor_hidden_sizes=[16,16]", "algo.critic_hidden_sizes=[16,16]"]
+DSRL = [*OFF_POLICY, "algo.hidden_sizes=[16,16]"]
+
+
+def case(algo, policy, *extra, id=None):
+    """An exact-resume case: an algo preset, the BC policy it fine-tunes and overrides after TINY."""
+    return pytest.param(algo, policy, list(extra), id=id or algo)
+
+
+RESUME_CASES = [
+    case("residual_ppo", "flow", *RESIDUAL[1:]),
+    # the chunk-level residual (an actor, not a preset): no chunk_critic switch, no per-step shaping
+    case("residual_ppo", "flow", "algo.actor=residual_chunk", "~algo.actor_kwargs.chunk_critic",
+         "algo.reward_shaping=0", "algo.num_steps=4", "algo.actor_kwargs.hidden=16", id="residual_chunk"),
+    case("dppo", "diffusion", "algo.num_steps=4"),
+    case("reinflow", "flow", "algo.num_steps=4", "algo.actor_kwargs.noise_hidden=16"),
+    case("flow_sde", "flow", "algo.num_steps=4"),
+    case("dsrl_ppo", "flow", "algo.num_steps=4", "algo.actor_kwargs.hidden=16"),
+    # one GRPO iteration = every env runs one 8-step episode (4 chunks): 32 env steps; the dense env
+    # reward makes the groups informative (no reach episode succeeds in 8 steps)
+    case("grpo", "flow", "algo.group_size=2", "task.max_episode_steps=8", "algo.reward=env",
+         "algo.actor_kwargs.noise_hidden=16"),
+    case("residual_offpolicy", "flow", *RESIDUAL_OFF_POLICY),
+    # the former name, with the SAC learner (the preset's default is TD3)
+    case("residual_sac", "flow", *RESIDUAL_OFF_POLICY, "algo.learner=sac", id="residual_sac-sac"),
+    case("dsrl", "flow", *DSRL),
+    case("dsrl_na", "flow", *DSRL),
+]
+
+
+def test_every_algo_has_an_exact_resume_case():
+    assert set(ALGOS) <= {case.values[0] for case in RESUME_CASES}
+
+
+@pytest.mark.parametrize("algo,policy,extra", RESUME_CASES)
+def test_a_resumed_run_continues_exactly_as_if_never_stopped(algo, policy, extra, checkpoints, tmp_path, capsys):  # noqa: F811
+    on_policy = ALGOS[algo] == "embodied_rl.algos.ppo"
+    tiny = TINY if on_policy else TINY[:-1]  # the off-policy presets have no actor_kwargs
     common = [f"algo={algo}", f"checkpoint={checkpoints / policy}", "eval_every=64", "checkpoint_every=64",
               *tiny, *extra]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
@@ -170,3 +199,5 @@ def test_a_resumed_run_continues_exactly_as_if_never_stopped(algo, extra, checkp
     assert main(["finetune", "env_steps=192", f"run_dir={parts}", *common]) == 0, capsys.readouterr().err
     expected, resumed = train_rows(whole), train_rows(parts)
     assert len(expected) >= 4 and resumed == expected
+    trained = {key for step, row in expected.items() if step > 64 for key in row}
+    assert trained & {"train/policy_loss", "train/actor_loss"}  # the policy itself trains after the resume
