@@ -234,8 +234,11 @@ class Evaluator:
     its end is lost with the steps redone after the resume, so every step is counted once.
     """
 
-    def __init__(self, cfg: Any, run: Run, counters: dict[str, Any] | None = None):
-        """`counters`: a resumed run's checkpoint counters (env steps done, the clock so far)."""
+    def __init__(self, cfg: Any, run: Run, counters: dict[str, Any] | None = None,
+                 env_options: dict[str, Any] | None = None):
+        """`counters`: a resumed run's checkpoint counters (env steps done, the clock so far);
+        `env_options`: envs.make keywords of the observations the agent reads (obs_mode, ...)."""
+        self.env_options = dict(env_options or {})
         counters = counters or {}
         last_step = int(counters.get("env_steps", 0))
         self.cfg = cfg
@@ -265,6 +268,7 @@ class Evaluator:
             self.env = envs.make(
                 self.cfg.task.name, num_envs=num_envs, backend=self.cfg.backend,
                 device=self.cfg.device, seed=int(self.cfg.seed) + 1, task_options=envs.task_overrides(self.cfg.task),
+                **self.env_options,
             )
         return self.env
 
@@ -354,9 +358,11 @@ class FinetuneLoop:
     adds, e.g. PPO's `iteration`); they go into every checkpoint and come back on resume.
     """
 
-    def __init__(self, cfg: Any, run: Run, make_eval_agent: Callable[[int], Any]):
+    def __init__(self, cfg: Any, run: Run, make_eval_agent: Callable[[int], Any],
+                 env_options: dict[str, Any] | None = None):
         self.cfg, self.run = cfg, run
         self.make_eval_agent = make_eval_agent
+        self.env_options = dict(env_options or {})  # the eval env's observations (policy.env_options())
         self.total_env_steps = int(cfg.env_steps)
         self.checkpoint_every = int(cfg.checkpoint_every)
         self.log_every = int(cfg.log_every)
@@ -409,7 +415,7 @@ class FinetuneLoop:
             if (state_dir / REPLAY).exists():
                 loop_state["replay"] = torch.load(state_dir / REPLAY, weights_only=True)
             self.resumed_from = path
-        self.evaluator = Evaluator(self.cfg, self.run, counters=self.counters)
+        self.evaluator = Evaluator(self.cfg, self.run, counters=self.counters, env_options=self.env_options)
         self.next_log = _next_multiple(self.env_steps, self.log_every)
         self.next_checkpoint = _next_multiple(self.env_steps, self.checkpoint_every)
         return loop_state

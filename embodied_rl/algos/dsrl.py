@@ -440,7 +440,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     model = make_dsrl(algo, vec_env, seed=int(cfg.seed), device=str(cfg.device))
     config = _agent_config(algo, vec_env)
 
-    loop = FinetuneLoop(cfg, run, noise_agent_factory(model, policy))
+    loop = FinetuneLoop(cfg, run, noise_agent_factory(model, policy), policy.env_options())
     saved = loop.resume({"learner": _Learner(model)}, _optimizers(model),
                         lambda path: save_agent(path, AGENT_KIND, config, model.policy.state_dict(), policy))
     if saved is None:

@@ -263,7 +263,8 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     env_steps_per_iter = num_envs * steps_per_mdp * (max_mdp_steps if grpo else algo.num_steps)
     iterations = max(1, math.ceil(int(cfg.env_steps) / env_steps_per_iter))
 
-    loop = FinetuneLoop(cfg, run, lambda n: ActorAgent(actor.for_eval(n), n, deterministic=True))
+    loop = FinetuneLoop(cfg, run, lambda n: ActorAgent(actor.for_eval(n), n, deterministic=True),
+                        policy.env_options())
     loop.counters["iteration"] = 0
     saved = loop.resume({"actor": actor}, {"optimizer": optimizer}, actor.save)
 

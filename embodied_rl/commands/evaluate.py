@@ -64,9 +64,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     # The default (videos unset) records up to 4 episodes, never more than are run.
     videos = min(4, episodes) if cfg.videos is None else int(cfg.videos)
     num_envs = min(int(cfg.num_envs), episodes)
-    options: dict[str, Any] = {"obs_mode": getattr(policy, "obs_mode", "state")}
-    if options["obs_mode"] == "pixels":  # the env renders what the policy was trained on
-        options["image_size"] = int(policy.config["image_shape"][0])
+    options = policy.env_options()  # the env renders what the policy was trained on
     # task= given: its config's overrides (task.max_episode_steps=N, ...); else the task as it is
     task_options = envs.task_overrides(cfg.task) if OmegaConf.select(cfg, "task.name") else {}
     env = envs.make(

@@ -115,7 +115,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
 
     module = importlib.import_module(ALGOS[cfg.algo.name])
     env = envs.make(cfg.task.name, num_envs=int(cfg.num_envs), backend=cfg.backend,
-                    device=cfg.device, seed=int(cfg.seed), task_options=envs.task_overrides(cfg.task))
+                    device=cfg.device, seed=int(cfg.seed), task_options=envs.task_overrides(cfg.task),
+                    **policy.env_options())  # the observations the policy was trained on
     if env.action_dim != policy.action_dim:
         raise UserError(f"checkpoint '{checkpoint}' acts in {policy.action_dim} dims, task {cfg.task.name} in {env.action_dim}")
     check_previous_run(cfg)

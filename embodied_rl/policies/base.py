@@ -160,6 +160,13 @@ class ChunkPolicy(nn.Module):
             raise ValueError(f"instruction ids must be in [0, {len(self.instructions)}), got {ids.tolist()}")
         return self.instruction_embeddings[ids.to(self.instruction_embeddings.device)]
 
+    def env_options(self) -> dict[str, Any]:
+        """The `envs.make` keywords of the observations this policy reads (obs_mode, image_size)."""
+        options: dict[str, Any] = {"obs_mode": self.obs_mode}
+        if self.obs_mode == "pixels":
+            options["image_size"] = int(self.config["image_shape"][0])
+        return options
+
     def normalize_action(self, action: Tensor) -> Tensor:
         return self.normalizer.normalize("action", action)
 

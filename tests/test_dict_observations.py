@@ -1,7 +1,8 @@
-"""Language-conditioned policies: dict observations with a per-env instruction go through the
-policy, every actor and critic, and every fine-tuning algorithm (tiny scale: shapes, resets and
-checkpoints are under test, not learning), and collect -> pretrain -> finetune keeps the
-instruction end to end."""
+"""Dict observations through fine-tuning. Language-conditioned policies: observations with a
+per-env instruction go through the policy, every actor and critic, and every fine-tuning algorithm
+(tiny scale: shapes, resets and checkpoints are under test, not learning), and collect ->
+pretrain -> finetune keeps the instruction end to end. Pixel policies fine-tune on the camera
+observations they were trained on."""
 
 import json
 
@@ -160,3 +161,23 @@ def test_collect_pretrain_finetune_keep_the_instruction(tmp_path, capsys):
 def test_an_unknown_text_encoder_is_refused():
     with pytest.raises(UserError, match="text encoder"):
         make_policy("flow", obs_dim=8, action_dim=2, instructions=["a"], text_encoder="nope")
+
+
+@pytest.mark.parametrize("algo, extra", [
+    ("residual_ppo", ["algo.num_steps=4", "algo.actor_kwargs.hidden=16", "algo.actor_kwargs.critic_hidden=16"]),
+    ("dsrl", ["algo.hidden_sizes=[16,16]", "algo.batch_size=16", "algo.warmup_env_steps=16",
+              "algo.critic_only_steps=0", "algo.utd_ratio=0.25"]),
+])
+def test_a_pixel_policy_fine_tunes_on_camera_observations(algo, extra, tmp_path, capsys):
+    torch.manual_seed(0)
+    policy = make_policy("flow", obs_dim=8, action_dim=2, n_obs_steps=2, horizon=4, n_action_steps=2,
+                         num_inference_steps=2, task="reach", obs_mode="pixels", image_shape=[32, 32],
+                         vision_kwargs=dict(feature_dim=8, channels=[8, 8, 8]),
+                         backbone_kwargs=dict(hidden_dim=16, num_blocks=1, time_dim=8))
+    assert policy.env_options() == {"obs_mode": "pixels", "image_size": 32}
+    save_policy(policy, tmp_path / "bc")
+    run_dir = tmp_path / algo
+    assert main(["finetune", "task=reach", f"checkpoint={tmp_path / 'bc'}", f"algo={algo}", "env_steps=32",
+                 "num_envs=2", "eval_every=0", "eval_episodes=2", "videos=0", f"run_dir={run_dir}", *extra]) == 0, \
+        capsys.readouterr().err
+    assert (run_dir / "checkpoints" / "last" / "agent.json").exists()
