@@ -20,9 +20,13 @@ class Expert(ScriptedExpert):
         low, high = self.task.ctrl_low, self.task.ctrl_high
         return ((xy - low) / (high - low) * 2 - 1).clamp(-1, 1)
 
-    def plan(self, obs: Any) -> Tensor:
+    def finger_and_target(self, obs: Any) -> tuple[Tensor, Tensor]:
+        """(fingertip xy, target xy) [N, 2] on the CPU."""
         finger, target = self.task.positions(self.env.state)
-        finger, target = finger.cpu(), target.cpu()
+        return finger.cpu(), target.cpu()
+
+    def plan(self, obs: Any) -> Tensor:
+        finger, target = self.finger_and_target(obs)
         # quality 1 commands the target itself; lower quality steps only part of the way
         fraction = 1.0 - 0.8 * (1.0 - self.quality)
         goal = finger + fraction * (target - finger)

@@ -12,28 +12,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from embodied_rl.envs.experts import ScriptedExpert
+from embodied_rl.envs.experts.reach import Expert as ReachExpert
 from embodied_rl.envs.tasks.reach_choice import RED
 
 
-class Expert(ScriptedExpert):
-    noise_scale = 0.3
-    slow_scale = 0.0  # slowness is done in plan(): actions are positions, not velocities
+class Expert(ReachExpert):
+    """reach's expert, aimed at the target the instruction names (read from the observation)."""
 
-    def _to_action(self, xy: Tensor) -> Tensor:
-        low, high = self.task.ctrl_low, self.task.ctrl_high
-        return ((xy - low) / (high - low) * 2 - 1).clamp(-1, 1)
-
-    def plan(self, obs: Any) -> Tensor:
+    def finger_and_target(self, obs: Any) -> tuple[Tensor, Tensor]:
         state = obs["state"].cpu()
         instruction = obs["instruction"].cpu()
-        finger = state[:, 0:2]
         target = torch.where((instruction == RED)[:, None], state[:, 2:4], state[:, 4:6])
-        # quality 1 commands the target itself; lower quality steps only part of the way
-        fraction = 1.0 - 0.8 * (1.0 - self.quality)
-        goal = finger + fraction * (target - finger)
-        self._hold = self._to_action(finger)
-        return self._to_action(goal)
-
-    def hold_action(self, actions: Tensor) -> Tensor:
-        return self._hold
+        return state[:, 0:2], target

@@ -44,12 +44,16 @@ class ReachTask(Task):
     min_init_distance = 0.05
 
     def bind(self, model: Any) -> None:
+        self.bind_gantry(model)
+        self.target_qpos = [joint_qpos_slice(model, j).start for j in ("target_x", "target_y")]
+        self.target = sensor_slice(model, "target_pos")
+
+    def bind_gantry(self, model: Any) -> None:
+        """The fingertip's joints, sensors and actuators (shared with reach_choice)."""
         self.nq, self.nv = int(model.nq), int(model.nv)
         self.finger_qpos = [joint_qpos_slice(model, j).start for j in ("finger_x", "finger_y")]
-        self.target_qpos = [joint_qpos_slice(model, j).start for j in ("target_x", "target_y")]
         self.finger_qvel = [joint_qvel_slice(model, j).start for j in ("finger_x", "finger_y")]
         self.fingertip = sensor_slice(model, "fingertip_pos")
-        self.target = sensor_slice(model, "target_pos")
         self.fingertip_vel = sensor_slice(model, "fingertip_vel")
         actuators = [actuator_index(model, a) for a in ("x", "y")]
         ranges = torch.as_tensor(model.actuator_ctrlrange[actuators], dtype=torch.float32)

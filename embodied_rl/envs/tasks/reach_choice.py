@@ -21,52 +21,29 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from embodied_rl.envs.api import (
-    SimState,
-    Task,
-    actuator_index,
-    joint_qpos_slice,
-    joint_qvel_slice,
-    scale_action,
-    sensor_slice,
-)
+from embodied_rl.envs.api import SimState, joint_qpos_slice, sensor_slice
+from embodied_rl.envs.tasks.reach import ReachTask
 
 RED, BLUE = 0, 1  # instruction ids
 
 
-class ReachChoiceTask(Task):
+class ReachChoiceTask(ReachTask):
+    """ReachTask's gantry and controls (bind_gantry, action_to_ctrl) with two targets."""
+
     name = "reach_choice"
     gym_id = "embodied_rl/ReachChoice-v0"
     xml = "reach_choice.xml"
-    max_episode_steps = 50
-    control_substeps = 4
-    obs_dim = 8
-    action_dim = 2
-    camera = "top"
-    has_success = True
+    # timing, sizes, camera, success radius and initial ranges: as reach
     success_criterion = ("the fingertip is within 2 cm of the instructed target (red or blue) in the x/y "
                          "plane (ends the episode)")
-    success_terminates = True
     instructions = ("reach the red target", "reach the blue target")
-    success_radius = 0.02
-    init_range = 0.15
-    min_init_distance = 0.05
 
     def bind(self, model: Any) -> None:
-        self.nq, self.nv = int(model.nq), int(model.nv)
-        self.finger_qpos = [joint_qpos_slice(model, j).start for j in ("finger_x", "finger_y")]
+        self.bind_gantry(model)
         self.red_qpos = [joint_qpos_slice(model, j).start for j in ("red_x", "red_y")]
         self.blue_qpos = [joint_qpos_slice(model, j).start for j in ("blue_x", "blue_y")]
-        self.finger_qvel = [joint_qvel_slice(model, j).start for j in ("finger_x", "finger_y")]
-        self.fingertip = sensor_slice(model, "fingertip_pos")
         self.red = sensor_slice(model, "red_pos")
         self.blue = sensor_slice(model, "blue_pos")
-        self.fingertip_vel = sensor_slice(model, "fingertip_vel")
-        actuators = [actuator_index(model, a) for a in ("x", "y")]
-        ranges = torch.as_tensor(model.actuator_ctrlrange[actuators], dtype=torch.float32)
-        self.ctrl_low, self.ctrl_high = ranges[:, 0], ranges[:, 1]
-        self.actuators = actuators
-        self.nu = int(model.nu)
 
     def _uniform(self, n: int, generator: torch.Generator) -> Tensor:
         return (torch.rand(n, 2, generator=generator) * 2 - 1) * self.init_range
@@ -87,12 +64,6 @@ class ReachChoiceTask(Task):
         qpos[:, self.red_qpos] = red
         qpos[:, self.blue_qpos] = blue
         return qpos.to(device), torch.zeros(n, self.nv, device=device)
-
-    def action_to_ctrl(self, action: Tensor) -> Tensor:
-        ctrl = torch.zeros(action.shape[0], self.nu, dtype=action.dtype, device=action.device)
-        low, high = self.ctrl_low.to(action.device), self.ctrl_high.to(action.device)
-        ctrl[:, self.actuators] = scale_action(action, low, high).to(action.dtype)
-        return ctrl
 
     def positions(self, state: SimState) -> tuple[Tensor, Tensor, Tensor]:
         """(fingertip xy, red target xy, blue target xy) [N, 2] float32."""
