@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from embodied_rl import core
+from embodied_rl.errors import UserError
 from embodied_rl.policies.base import Obs
 from embodied_rl.policies.runner import ChunkExecutor, ObsHistory, first_tensor, map_obs
 
@@ -81,6 +82,17 @@ class Critic(nn.Module):
 
     def forward(self, obs: Obs) -> Tensor:
         return self.net(self._features(obs)).squeeze(-1)
+
+
+def head_input(policy: Any, obs: Obs, features: bool = True) -> Tensor:
+    """What an off-policy head reads: the base policy's features of the observation
+    (`policy.obs_features`), or with `features=False` the raw state, for checkpoints written
+    before features existed (state observations only)."""
+    if features:
+        return policy.obs_features(obs)
+    if isinstance(obs, dict):
+        raise UserError("this checkpoint's heads read the raw state: they support state observations only")
+    return obs.float()
 
 
 def gaussian_logprob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:

@@ -24,7 +24,7 @@ from stable_baselines3.common.vec_env import VecEnv
 from stable_baselines3.sac.policies import SACPolicy
 from torch import Tensor, nn
 
-from embodied_rl.actors.base import layer_norm_mlp
+from embodied_rl.actors.base import head_input, layer_norm_mlp
 from embodied_rl.actors.checkpoint import AgentCheckpoint
 from embodied_rl.errors import UserError
 from embodied_rl.policies.base import Obs
@@ -57,17 +57,6 @@ class _RecordObs:
         return getattr(self._env, name)
 
 
-def noise_actor_obs(policy: Any, obs: Obs, features: bool = True) -> Tensor:
-    """What the noise actor and its critics see: the base policy's features of the observation
-    (`policy.obs_features`). `features=False`: the raw state (checkpoints written before
-    features existed)."""
-    if features:
-        return policy.obs_features(obs)
-    if isinstance(obs, dict):
-        raise UserError("this dsrl checkpoint's noise actor reads the raw state: it supports state observations only")
-    return obs.float()
-
-
 # --------------------------------------------------------------------------------------------
 # The noise-space VecEnv
 # --------------------------------------------------------------------------------------------
@@ -78,7 +67,7 @@ class LatentNoiseVecEnv(VecEnv):
 
     action: float32 [N, H*A] in [-noise_bound, noise_bound] (clipped), reshaped to the policy's
     noise_shape (H, A). observation: the base policy's features of the env observation
-    [N, policy.feature_dim] (noise_actor_obs; the raw observations and the base policy's obs
+    [N, policy.feature_dim] (actors.base.head_input; the raw observations and the base policy's obs
     history are kept here, the history reset per env when its episode ends). reward: the sum over the
     executed part of the chunk (step_chunk), or with `sparse_reward` 1 where the chunk ended in
     success and 0 otherwise. An env that finishes mid-chunk reports done with
@@ -124,7 +113,7 @@ class LatentNoiseVecEnv(VecEnv):
         return self._features(obs).cpu().numpy()
 
     def _features(self, obs: Obs) -> Tensor:
-        return noise_actor_obs(self.policy, obs).float()
+        return head_input(self.policy, obs).float()
 
     def step_async(self, actions: np.ndarray) -> None:
         self._actions = actions
@@ -166,7 +155,7 @@ class LatentNoiseVecEnv(VecEnv):
         executed_flat = executed.reshape(self.num_envs, -1).cpu().numpy()
         base_flat = base_cond.float().cpu().numpy()
         next_flat = next_cond.float().cpu().numpy()
-        final_features = self._features(final_obs).cpu().numpy()
+        final_features = self._features(final_obs).cpu().numpy() if bool(done.any()) else None
         done_np = done.cpu().numpy()
         for i in range(self.num_envs):
             item: dict[str, Any] = {
@@ -281,7 +270,7 @@ class NoiseActorAgent(ChunkExecutor):
 
     @torch.no_grad()
     def noise(self, obs: Obs) -> Tensor:
-        features = noise_actor_obs(self.policy, obs, self.obs_features)
+        features = head_input(self.policy, obs, self.obs_features)
         actor_device = next(self.actor.parameters()).device
         squashed = self.actor(features.to(actor_device), deterministic=self.deterministic)
         return squashed.to(features.device).reshape(len(features), *self.noise_shape).clamp(-self.noise_bound, self.noise_bound)

@@ -2,7 +2,7 @@
 
     base action  b_t   the frozen BC policy executed open-loop chunk by chunk (a PolicyRunner)
     residual     r_t = scale * tanh(u),  u = MLP([f(o_t), b_t])  (SAC: u ~ N(mu, sigma); TD3: u = mu)
-                 f = the base policy's features of the observation (policy.obs_features)
+                 f = the base policy's features of the observation (actors.base.head_input)
     executed     a_t = clip(b_t + r_t, -1, 1)
 
 The MLP's last layer starts at zero, so before any update the agent is exactly the base policy.
@@ -19,9 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from embodied_rl.actors.base import layer_norm_mlp
+from embodied_rl.actors.base import head_input, layer_norm_mlp
 from embodied_rl.actors.checkpoint import AgentCheckpoint, with_prefix
-from embodied_rl.errors import UserError
 from embodied_rl.policies.base import Obs
 from embodied_rl.policies.runner import PolicyRunner, first_tensor, map_obs
 
@@ -72,19 +71,6 @@ class ResidualPolicyNet(nn.Module):
         return self.scale * torch.tanh(u), log_prob.sum(-1)
 
 
-def actor_obs(policy: Any, obs: Obs, normalize: bool) -> Tensor:
-    """What the residual actor and the critics see: the base policy's features of the observation
-    (`policy.obs_features`: the state normalised with the demos' statistics, min-max to [-1, 1]
-    by default, then image features and the instruction embedding where the policy reads them).
-    Raw metre-scaled inputs bury the millimetre offsets that decide a peg insertion.
-    `normalize=False`: the raw state (checkpoints written before normalisation existed)."""
-    if normalize:
-        return policy.obs_features(obs)
-    if isinstance(obs, dict):
-        raise UserError("algo.normalize_obs=false reads the raw state: it supports state observations only")
-    return obs.float()
-
-
 class ResidualAgent:
     """Base policy + deterministic residual, per env step: `reset(mask)`, `act(obs) -> [N, A]`."""
 
@@ -100,7 +86,7 @@ class ResidualAgent:
     def act(self, obs: Obs) -> Tensor:
         base = self.base.act(obs)
         device = next(self.net.parameters()).device
-        features = actor_obs(self.policy, map_obs(lambda o: o.to(device), obs), self.normalize_obs)
+        features = head_input(self.policy, map_obs(lambda o: o.to(device), obs), self.normalize_obs)
         residual = self.net(features, base.to(device)).to(first_tensor(obs).device)
         return (base + residual).clamp(-1.0, 1.0)
 

@@ -359,7 +359,7 @@ def _agent_config(algo: DSRLConfig, vec_env: LatentNoiseVecEnv) -> dict[str, Any
         "noise_bound": vec_env.noise_bound,
         "noise_shape": list(vec_env.noise_shape),
         "obs_dim": int(vec_env.observation_space.shape[0]),
-        "obs_features": True,  # the noise actor reads policy.obs_features (noise_actor_obs)
+        "obs_features": True,  # the noise actor reads policy.obs_features (actors.base.head_input)
         "net_arch": list(algo.hidden_sizes),
         "n_critics": algo.n_critics,
     }

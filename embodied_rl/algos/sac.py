@@ -28,11 +28,10 @@ from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 from embodied_rl.actors import save_agent
-from embodied_rl.actors.base import layer_norm_mlp
+from embodied_rl.actors.base import head_input, layer_norm_mlp
 from embodied_rl.actors.residual_offpolicy import (
     AGENT_KIND,
     ResidualAgent,
-    actor_obs,
     make_residual_net,
     residual_tensors,
 )
@@ -430,7 +429,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     policy.eval()
     policy.requires_grad_(False)
     num_envs = int(env.num_envs)
-    obs_dim = policy.feature_dim if algo.normalize_obs else policy.obs_dim  # the size of actor_obs
+    obs_dim = policy.feature_dim if algo.normalize_obs else policy.obs_dim  # the size of head_input
     action_dim = int(env.single_action_space.shape[0])
     learner = ResidualSAC(algo, obs_dim, action_dim, device, seed)
     warm_start = WarmStart(algo.warmup_env_steps, algo.critic_only_steps)
@@ -438,7 +437,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     replay = Replay(algo.buffer_size, obs_dim, action_dim, device)
 
     def features(obs: Obs) -> Tensor:  # what the actor and the critics see (the replay stores it)
-        return actor_obs(policy, map_obs(lambda o: o.to(device), obs), algo.normalize_obs)
+        return head_input(policy, map_obs(lambda o: o.to(device), obs), algo.normalize_obs)
 
     demos = None
     demo_path = find_demo_path(cfg) if algo.demo_fraction > 0 else None
