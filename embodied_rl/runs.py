@@ -25,7 +25,7 @@ from embodied_rl.errors import UserError
 
 def default_run_dir(command: str, task: str | None) -> Path:
     now = _dt.datetime.now()
-    name = f"{now:%H-%M-%S}_{command}" + (f"_{task}" if task else "")
+    name = f"{now:%H-%M-%S}_{command}" + (f"_{task.replace('/', '-')}" if task else "")
     return Path("runs") / f"{now:%Y-%m-%d}" / name
 
 

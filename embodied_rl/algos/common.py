@@ -103,6 +103,12 @@ def training_reward(reward: torch.Tensor, info: dict[str, Any], sparse: bool) ->
 # ---------------------------------------------------------------------------------------------
 
 
+def env_snapshot(env: Any) -> dict[str, Any] | None:
+    """The env's snapshot for a checkpoint's loop state, or None for a backend that cannot take
+    one (EnvPool, gymnasium): a run resumed from it starts new episodes, the learner exact."""
+    return env.get_state() if env.can_snapshot else None
+
+
 def rng_state() -> dict[str, Any]:
     """Every RNG a run draws from, in a form `torch.save` + `torch.load(weights_only=True)` keep."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()

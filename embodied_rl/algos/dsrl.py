@@ -42,7 +42,7 @@ from embodied_rl.actors.latent_noise import (
     _ScaledActor,
     make_noise_critic,
 )
-from embodied_rl.algos.common import FinetuneLoop, reward_settings
+from embodied_rl.algos.common import FinetuneLoop, env_snapshot, reward_settings
 from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart
 from embodied_rl.errors import UserError
 from embodied_rl.policies import executed_actions
@@ -443,17 +443,18 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     loop = FinetuneLoop(cfg, run, noise_agent_factory(model, policy), policy.env_options())
     saved = loop.resume({"learner": _Learner(model)}, _optimizers(model),
                         lambda path: save_agent(path, AGENT_KIND, config, model.policy.state_dict(), policy))
-    if saved is None:
+    if saved is not None:
+        vec_env.load_state_dict(saved["vec_env"])
+    if saved is None or saved["env"] is None:  # new episodes: a new run, or a backend without snapshots
         model._last_obs = vec_env.reset()
     else:  # continue exactly where the checkpoint stopped
         env.set_state(saved["env"])
-        vec_env.load_state_dict(saved["vec_env"])
         model._last_obs = saved["last_obs"].numpy()
-        if "replay" in saved:
-            load_replay_state(model.replay_buffer, saved["replay"])
+    if saved is not None and "replay" in saved:
+        load_replay_state(model.replay_buffer, saved["replay"])
 
     def loop_state() -> dict[str, Any]:
-        return {"env": env.get_state(), "vec_env": vec_env.state_dict(),
+        return {"env": env_snapshot(env), "vec_env": vec_env.state_dict(),
                 "last_obs": torch.from_numpy(np.asarray(model._last_obs)), "replay": replay_state(model.replay_buffer)}
 
     loop.start(f"finetune {algo.name}")

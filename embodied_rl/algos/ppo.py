@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 from embodied_rl import core
 from embodied_rl.actors import make_actor
 from embodied_rl.actors.base import ActorAgent, HistoryEnv, ObsHistory
-from embodied_rl.algos.common import FinetuneLoop, reward_settings, training_reward
+from embodied_rl.algos.common import FinetuneLoop, env_snapshot, reward_settings, training_reward
 from embodied_rl.envs.api import step_chunk
 from embodied_rl.errors import UserError
 from embodied_rl.policies.base import Obs
@@ -271,8 +271,8 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     # ---- the env; chunk actors see obs histories kept by HistoryEnv ----
     history = ObsHistory(actor.n_obs_steps)
     henv = HistoryEnv(env, history)
-    if saved is None:
-        obs, _ = henv.reset(seed=int(cfg.seed))
+    if saved is None or saved["env"] is None:  # new episodes: a new run, or a backend without snapshots
+        obs, _ = henv.reset(seed=int(cfg.seed) + loop.env_steps)
         actor.reset(torch.ones(num_envs, dtype=torch.bool))
     else:  # continue exactly where the checkpoint stopped: same env states, histories, queues
         env.set_state(saved["env"])
@@ -282,7 +282,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
             shaping.previous, shaping.fresh = saved["shaping"]
 
     def loop_state() -> dict[str, Any]:
-        state = {"env": env.get_state(), "obs": obs, "history": history.buffer, "actor": actor.runtime_state()}
+        state = {"env": env_snapshot(env), "obs": obs, "history": history.buffer, "actor": actor.runtime_state()}
         if shaping is not None:
             state["shaping"] = (shaping.previous, shaping.fresh)
         return state

@@ -35,7 +35,7 @@ from embodied_rl.actors.residual_offpolicy import (
     make_residual_net,
     residual_tensors,
 )
-from embodied_rl.algos.common import FinetuneLoop, reward_settings, training_reward
+from embodied_rl.algos.common import FinetuneLoop, env_snapshot, reward_settings, training_reward
 from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart
 from embodied_rl.errors import UserError
 from embodied_rl.policies import PolicyRunner
@@ -462,20 +462,21 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     window: list[dict[str, Tensor]] = []  # the last n_step steps, whose n-step returns are not complete yet
     pending_updates = 0.0
     stats: dict[str, float] = {}
-    if saved is None:
-        obs, _ = env.reset(seed=seed)
+    if saved is None or saved["env"] is None:  # new episodes: a new run, or a backend without snapshots
+        obs, _ = env.reset(seed=seed + loop.env_steps)
         base = queue.act(obs)
     else:  # continue exactly where the checkpoint stopped
         env.set_state(saved["env"])
         obs, base, window = saved["obs"], saved["base"], saved["window"]
         queue.load_state_dict(saved["queue"])
+    if saved is not None:
         demo_generator.set_state(saved["demo_generator"])
         pending_updates = float(saved["pending_updates"])
         if "replay" in saved:
             replay.load_state_dict(saved["replay"])
 
     def loop_state() -> dict[str, Any]:
-        return {"env": env.get_state(), "obs": obs, "base": base, "window": window, "queue": queue.state_dict(),
+        return {"env": env_snapshot(env), "obs": obs, "base": base, "window": window, "queue": queue.state_dict(),
                 "demo_generator": demo_generator.get_state(), "pending_updates": torch.tensor(pending_updates),
                 "replay": replay.state_dict()}
 

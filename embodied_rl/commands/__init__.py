@@ -74,7 +74,7 @@ def validate_common(cfg: DictConfig, min_eval_episodes: int = 1) -> None:
             raise UserError(f"videos must be in [0, {episodes[0]}={episodes[1]}], got {videos}")
     if "device" in cfg:
         check_device(cfg.device)
-    if "backend" in cfg and cfg.backend not in BACKENDS:
+    if "backend" in cfg and cfg.backend is not None and cfg.backend not in BACKENDS:
         raise UserError(f"unknown backend {cfg.backend!r} (choose from: {', '.join(BACKENDS)})")
     if cfg.get("obs") is not None and cfg.obs not in OBS_MODES:
         raise UserError(f"obs must be one of {', '.join(OBS_MODES)}, got {cfg.obs!r}")
@@ -110,15 +110,15 @@ def checkpoint_task(policy: Any, path: Path, requested: str | None) -> str:
     agree with task= when that is given, and match the policy's observation and action sizes and,
     for a language-conditioned policy, the task's instruction list (its ids index that list).
     Anything else is a UserError (eval and finetune refuse the same checkpoints)."""
-    from embodied_rl.envs.registry import TASKS, task_class
+    from embodied_rl.envs.registry import TASKS, is_task, task_class
 
     trained_on = recorded_task(policy, path)
     if trained_on is None:
         raise UserError(f"checkpoint '{path}' does not record the task it was trained on "
                         "(config.json 'task'), so it cannot be checked against one")
-    if trained_on not in TASKS:
+    if not is_task(trained_on):
         raise UserError(f"checkpoint '{path}' was trained on task '{trained_on}', which is not a known task "
-                        f"(known: {', '.join(TASKS)})")
+                        f"(known: {', '.join(TASKS)}, metaworld/<task>)")
     if requested is not None and requested != trained_on:
         raise UserError(f"checkpoint '{path}' was trained on task '{trained_on}' but task={requested}; "
                         f"pass task={trained_on}")

@@ -98,6 +98,7 @@ def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     from embodied_rl.data import write_demos
     from embodied_rl.envs import make, make_expert
+    from embodied_rl.envs.registry import resolve_backend
 
     task_options = validate(cfg)
     started = time.perf_counter()
@@ -132,7 +133,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         )
     attrs = {
         "task": cfg.task.name, "obs_dim": obs_dim, "action_dim": action_dim,
-        "quality": float(cfg.quality), "seed": int(cfg.seed), "backend": cfg.backend,
+        "quality": float(cfg.quality), "seed": int(cfg.seed),
+        "backend": resolve_backend(cfg.task.name, cfg.backend),
         "only_success": bool(cfg.only_success), "expert_success_rate": success_rate,
     }
     if instructions:

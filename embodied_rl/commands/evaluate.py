@@ -94,7 +94,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         "task": task,
         "checkpoint": str(checkpoint.resolve()),
         "seed": int(cfg.seed),
-        "backend": cfg.backend,
+        "backend": envs.resolve_backend(task, cfg.backend),
         "device": str(cfg.device),
         **eval_info,
         "config": OmegaConf.to_container(cfg, resolve=True),

@@ -126,6 +126,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     run.resumed = find_checkpoint(run.file("checkpoints")) is not None
     if run.resumed:
         print(f"resuming from {run.file('checkpoints', 'last')}")
+        if not env.can_snapshot:
+            print("this backend cannot snapshot its envs: the episodes in progress restart, the learner resumes exactly")
     try:
         headline = module.finetune(cfg, run, env, policy)
     finally:

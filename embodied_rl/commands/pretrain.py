@@ -111,6 +111,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     from embodied_rl.commands import start_run
     from embodied_rl.data import ChunkWindows, DemoDataset
     from embodied_rl.envs import task_overrides
+    from embodied_rl.envs.registry import resolve_backend
 
     task = OmegaConf.select(cfg, "task.name", default=None)
     task_options = task_overrides(cfg.task)  # for the evaluation env
@@ -182,7 +183,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         checkpoint = run.file("checkpoints", "last")
         run.write_json("eval_info.json", {
             "task": task, "checkpoint": str(checkpoint.resolve()), "seed": int(cfg.seed),
-            "backend": cfg.backend, "device": str(cfg.device), "step": steps, **final_eval,
+            "backend": resolve_backend(task, cfg.backend), "device": str(cfg.device), "step": steps, **final_eval,
             "config": OmegaConf.to_container(cfg, resolve=True),
         })
         overall = final_eval["overall"]

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from embodied_rl.errors import UserError
 
@@ -55,10 +55,12 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     run = start_run(cfg, "quickstart", allow_existing=bool(cfg.run_dir))
     root = run.path
     task = cfg.task.name
-    sim = [f"task={task}", f"seed={cfg.seed}", f"backend={cfg.backend}", f"device={cfg.device}"]
-    # the task's keys as quickstart got them (task.max_episode_steps=N, ...) reach every stage
+    backend = "null" if cfg.backend is None else cfg.backend
+    sim = [f"task={task}", f"seed={cfg.seed}", f"backend={backend}", f"device={cfg.device}"]
+    # the task's keys as quickstart got them (task.max_episode_steps=N, ...) reach every stage;
+    # lists (instructions, suite_tasks) only describe the task and stay as its config has them
     sim += [f"task.{key}={str(value).lower() if isinstance(value, bool) else value}"
-            for key, value in cfg.task.items() if key != "name"]
+            for key, value in cfg.task.items() if key != "name" and not OmegaConf.is_list(value)]
     started = time.perf_counter()
 
     collect_dir = run_stage("collect", "embodied_rl.commands.collect", [*sim, f"demos={cfg.demos}"],

@@ -21,15 +21,16 @@ def task_rows() -> list[tuple[str, ...]]:
     from embodied_rl.envs import registry
 
     rows = []
-    for name in registry.TASKS:
+    for name in registry.task_names():
         task = registry.task_class(name)
-        # Every Task runs on every backend: natively on the MuJoCo ones, and on gymnasium through
-        # its gymnasium registration (state observations only there). The gymnasium backend takes
+        # This package's tasks run natively on the MuJoCo backends and on gymnasium through their
+        # gymnasium registration (state observations only there). The gymnasium backend takes
         # Box observations only, so a task with instructions (dict observations) is not listed there.
-        backends = ", ".join(b for b in registry.BACKENDS if not (task.instructions and b == "gymnasium"))
+        backends = ", ".join(b for b in task.backends if not (task.instructions and b == "gymnasium"))
         obs_modes = "state, pixels" if task.camera else "state"
+        gym_id = registry.gym_id(name) if name in registry.GYM_NAMES else "-"
         rows.append((
-            name, registry.gym_id(name), backends, obs_modes, str(task.max_episode_steps),
+            name, gym_id, backends, obs_modes, str(task.max_episode_steps),
             "yes" if registry.has_expert(name) else "no", str(len(task.instructions)) if task.instructions else "-",
             task.success_criterion or "-",
         ))
@@ -41,7 +42,7 @@ def instruction_lines() -> list[str]:
     from embodied_rl.envs import registry
 
     lines = []
-    for name in registry.TASKS:
+    for name in registry.TASKS:  # Meta-World's: configs/task/metaworld/<task>.yaml
         instructions = registry.task_class(name).instructions
         if instructions:
             lines.append(f"{name} instructions: " + "; ".join(f"{i}: {text!r}" for i, text in enumerate(instructions)))

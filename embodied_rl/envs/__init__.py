@@ -16,7 +16,16 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 from embodied_rl.envs.api import BatchedEnv, SimBatchedEnv, SimState, Task, step_chunk
 from embodied_rl.envs.experts import make_expert
 from embodied_rl.envs.gym_env import register_all as _register_gym_envs
-from embodied_rl.envs.registry import BACKENDS, TASKS, has_expert, make, make_task, task_overrides
+from embodied_rl.envs.registry import (
+    BACKENDS,
+    TASKS,
+    has_expert,
+    make,
+    make_task,
+    resolve_backend,
+    task_names,
+    task_overrides,
+)
 
 _register_gym_envs()
 
@@ -31,6 +40,8 @@ __all__ = [
     "make",
     "make_expert",
     "make_task",
+    "resolve_backend",
+    "task_names",
     "step_chunk",
     "task_overrides",
 ]

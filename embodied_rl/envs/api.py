@@ -127,6 +127,7 @@ class Task:
     success_terminates: bool = True  # whether reaching success ends the episode
     success_criterion: str = ""  # one sentence, shown by `embodied-rl tasks`
     instructions: tuple[str, ...] = ()  # non-empty: language-conditioned (obs["instruction"] ids)
+    backends: tuple[str, ...] = ("mujoco", "mujoco_warp", "gymnasium")  # the first is the default
 
     def __init__(self, **overrides: Any):
         for key, value in overrides.items():
@@ -207,6 +208,7 @@ class BatchedEnv:
     single_action_space: gymnasium.spaces.Box
     unstable_resets: int = 0
     max_episode_steps: int | None = None
+    can_snapshot: bool = False  # whether get_state/set_state work (exact resume of a run)
 
     def reset(
         self, seed: int | None = None, env_ids: Tensor | None = None, group_size: int | None = None
@@ -358,6 +360,7 @@ class SimBatchedEnv(BatchedEnv):
     """
 
     sim_device: torch.device = torch.device("cpu")
+    can_snapshot = True
 
     def __init__(
         self,

@@ -1,9 +1,12 @@
 """Names -> Task classes and backend modules, imported lazily.
 
 Tasks: `TASKS[name] = (module, class)`; the module `embodied_rl.envs.tasks.<name>` defines the
-Task subclass. Backends: `BACKENDS[name] = module`; the module exposes
+Task subclass. External suites are named with a prefix: `metaworld/<task>` and `metaworld/MT10`
+are MetaWorldTask classes built from their configs (embodied_rl.envs.tasks.metaworld).
+Backends: `BACKENDS[name] = module`; the module exposes
 `make_env(task, num_envs, device, seed, **options) -> BatchedEnv`, where `task` is a Task
-instance for the MuJoCo backends and a gymnasium env id (str) for backend="gymnasium".
+instance, or for backend="gymnasium" / "envpool" an env id (str) of that engine.
+A task runs on the backends in its `backends` attribute; the first is its default.
 """
 
 from __future__ import annotations
@@ -39,16 +42,47 @@ BACKENDS: dict[str, str] = {
     "mujoco": "embodied_rl.envs.backends.mujoco_cpu",
     "mujoco_warp": "embodied_rl.envs.backends.mujoco_warp",
     "gymnasium": "embodied_rl.envs.backends.gymnasium",
+    "envpool": "embodied_rl.envs.backends.envpool",
 }
+
+# Backends that also take an env id of their own engine for a name that is not a task here.
+ENGINE_BACKENDS = ("gymnasium", "envpool")
 
 
 def gym_id(task_name: str) -> str:
     return f"embodied_rl/{GYM_NAMES[task_name]}-v0"
 
 
+def is_suite_task(name: str) -> bool:
+    """Whether `name` names a task of an external suite (metaworld/<task>)."""
+    return name.startswith("metaworld/")
+
+
+def task_names() -> list[str]:
+    """Every task name: this package's tasks, then the external suites' (metaworld/...)."""
+    from embodied_rl.envs.tasks import metaworld
+
+    return [*TASKS, *metaworld.task_names()]
+
+
+def is_task(name: str) -> bool:
+    if name in TASKS:
+        return True
+    if not is_suite_task(name):
+        return False
+    from embodied_rl.envs.tasks import metaworld
+
+    return metaworld.config_path(name.split("/", 1)[1]).is_file()
+
+
 def task_class(name: str) -> type[Task]:
+    if is_suite_task(name):
+        from embodied_rl.envs.tasks import metaworld
+
+        return metaworld.task_class(name)
     if name not in TASKS:
-        raise UserError(f"unknown task '{name}' (choose from: {', '.join(TASKS)})")
+        raise UserError(f"unknown task '{name}' (choose from: {', '.join(TASKS)}, or metaworld/<task>; "
+                        "`embodied-rl tasks` lists them all)")
     module_name, class_name = TASKS[name]
     try:
         module = importlib.import_module(module_name)
@@ -63,16 +97,22 @@ def make_task(name: str, **options: Any) -> Task:
     return task_class(name)(**options)
 
 
+def expert_module(name: str) -> str:
+    """The module of a task's scripted expert: embodied_rl.envs.experts.<name>, or for a suite's
+    task (metaworld/<task>) the suite's module, embodied_rl.envs.experts.metaworld."""
+    return "embodied_rl.envs.experts." + name.split("/", 1)[0]
+
+
 def has_expert(name: str) -> bool:
     """Whether the task has a scripted expert (a module embodied_rl.envs.experts.<name>)."""
-    return importlib.util.find_spec(f"embodied_rl.envs.experts.{name}") is not None
+    return importlib.util.find_spec(expert_module(name)) is not None
 
 
 # Keys of configs/task/<name>.yaml that commands read (collect, pretrain), not the Task.
 COMMAND_KEYS = ("name", "demos", "quality", "pretrain_steps")
 # Keys that say what a task is: a config may state them, but only as the task has them.
 DESCRIPTIVE_KEYS = ("gym_id", "xml", "obs_dim", "action_dim", "camera", "has_success",
-                    "success_criterion", "expert")
+                    "success_criterion", "expert", "instructions", "suite_tasks")
 POSITIVE_KEYS = ("max_episode_steps", "control_substeps")
 
 
@@ -107,6 +147,8 @@ def task_overrides(task_cfg: Mapping[str, Any]) -> dict[str, Any]:
             continue
         if key in DESCRIPTIVE_KEYS:
             actual = has_expert(name) if key == "expert" else getattr(cls, key)
+            if isinstance(actual, tuple):  # instructions, suite_tasks: a list in the config
+                actual, value = list(actual), list(value)
             if value != actual:
                 raise UserError(f"task.{key}={value} contradicts task '{name}', whose {key} is {actual!r}")
             continue
@@ -122,6 +164,26 @@ def task_overrides(task_cfg: Mapping[str, Any]) -> dict[str, Any]:
     return overrides
 
 
+def resolve_backend(name: str, backend: str | None) -> str:
+    """The backend to run `name` on: `backend`, or the task's default when None. A task that does
+    not run on the backend asked for is a UserError naming the ones it runs on."""
+    if backend is not None and backend not in BACKENDS:
+        raise UserError(f"unknown backend '{backend}' (choose from: {', '.join(BACKENDS)})")
+    if not is_task(name):
+        if backend in ENGINE_BACKENDS:
+            return backend
+        if is_suite_task(name) or backend is None:
+            task_class(name)  # raises: unknown task
+        raise UserError(f"unknown task '{name}' for backend '{backend}' (an env id of another engine needs "
+                        f"backend={' or backend='.join(ENGINE_BACKENDS)})")
+    backends = task_class(name).backends
+    if backend is None:
+        return backends[0]
+    if backend not in backends:
+        raise UserError(f"task '{name}' runs on backend {', '.join(backends)}, not '{backend}'")
+    return backend
+
+
 def backend_module(backend: str):
     if backend not in BACKENDS:
         raise UserError(f"unknown backend '{backend}' (choose from: {', '.join(BACKENDS)})")
@@ -133,13 +195,15 @@ def backend_module(backend: str):
             raise UserError(f"backend '{backend}' is not available ({module_name} is missing)") from None
         if backend == "mujoco_warp" and error.name and error.name.split(".")[0] in ("mujoco_warp", "warp"):
             raise UserError("backend 'mujoco_warp' needs MuJoCo Warp: pip install 'embodied-rl[warp]'") from None
+        if backend == "envpool" and error.name and error.name.split(".")[0] == "envpool":
+            raise UserError("backend 'envpool' needs EnvPool: pip install 'embodied-rl[envpool]'") from None
         raise
 
 
 def make(
     name: str,
     num_envs: int = 1,
-    backend: str = "mujoco",
+    backend: str | None = None,
     device: str = "cpu",
     seed: int = 0,
     *,
@@ -151,15 +215,21 @@ def make(
 ) -> BatchedEnv:
     """Make N copies of a task on a backend.
 
-    `name` is a registered task (reach, reach_choice, push_t, lift, peg_insert, hopper), or for
-    backend="gymnasium" a gymnasium env id. `obs_mode="pixels"` returns obs dicts
+    `name` is a registered task (reach, reach_choice, push_t, lift, peg_insert, hopper,
+    metaworld/<task>, metaworld/MT10, ...), or for backend="gymnasium" / "envpool" an env id of
+    that engine. `backend=None` takes the task's default (`Task.backends[0]`: mujoco for this
+    package's tasks, envpool for Meta-World). `obs_mode="pixels"` returns obs dicts
     {"state": f32 [N, D], "pixels": u8 [N, image_size, image_size, 3]}. `task_options` override
     Task class attributes (e.g. {"max_episode_steps": 100}); `backend_options` go to the backend.
     """
     if int(num_envs) < 1:
         raise UserError(f"num_envs must be >= 1, got {num_envs}")
+    backend = resolve_backend(name, backend)
     module = backend_module(backend)
     options = dict(obs_mode=obs_mode, image_size=image_size, render_size=render_size, **backend_options)
+    if backend == "envpool" and not is_task(name):  # an EnvPool id, e.g. Hopper-v5
+        options.update(task_options or {})
+        return module.make_env(name, int(num_envs), device, seed, **options)
     if backend == "gymnasium":
         if task_options and name in TASKS:  # this package's task, made inside each gymnasium env
             env_kwargs = dict(options.pop("env_kwargs", None) or {})

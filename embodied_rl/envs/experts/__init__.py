@@ -80,10 +80,13 @@ class ScriptedExpert:
 
 def make_expert(task_name: str, env: Any, quality: float = 1.0, generator: torch.Generator | None = None):
     """The scripted expert of `task_name` for `env` (a BatchedEnv of that task)."""
+    from embodied_rl.envs.registry import expert_module
+
+    module_name = expert_module(task_name)
     try:
-        module = importlib.import_module(f"embodied_rl.envs.experts.{task_name}")
+        module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
-        if error.name == f"embodied_rl.envs.experts.{task_name}":
+        if error.name == module_name:
             raise UserError(f"task '{task_name}' has no scripted expert") from None
         raise
     return module.Expert(env, quality=quality, generator=generator)
