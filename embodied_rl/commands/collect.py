@@ -152,11 +152,19 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         "pixels": bool(cfg.pixels),
         "wall_time_s": time.perf_counter() - started,
     }
+    if success_rate is not None and success_rate < 0.9:
+        # An expert below 90% (e.g. some Meta-World scripted policies) makes noisy demos unless
+        # its failures are dropped, which only_success=true (the default) does.
+        kept_what = "only its successful episodes were kept" if cfg.only_success else \
+            "its failed episodes were kept too (only_success=false)"
+        info["note"] = f"the expert succeeded in {success_rate:.0%} of {attempted} episodes (< 90%); {kept_what}"
     run.write_json("collect_info.json", info)
     run.close()
     quality_key, quality_value = (("expert_success_rate", success_rate) if has_success
                                   else ("demo_return_mean", demo_return))
     headline = {"dataset": str(out), quality_key: quality_value, "episodes_written": len(kept)}
+    if "note" in info:
+        headline["note"] = info["note"]
     if len(kept) < cfg.demos:
         headline["warning"] = f"only {len(kept)} of {cfg.demos} episodes kept after {attempted} attempts"
     return headline, run.path

@@ -1,0 +1,75 @@
+"""Meta-World through every command on EnvPool (tiny scale): collect with Meta-World's own
+scripted policy -> pretrain (flow and diffusion) -> eval with a video -> finetune with one method
+of each training loop (PPO, off-policy residual, DSRL), resumed from a checkpoint -> eval."""
+
+import json
+
+import mujoco  # noqa: F401  (EnvPool's renderer needs mujoco imported before envpool)
+import pytest
+
+from embodied_rl.cli import main
+
+pytest.importorskip("envpool")
+pytest.importorskip("metaworld.policies")
+
+# The expert reaches in 36-57 steps; the tiny policies are run for 20 (nothing is learnt here).
+TASK = ["task=metaworld/reach", "task.max_episode_steps=20"]
+TINY_POLICY = ["policy.horizon=4", "policy.n_action_steps=2", "policy.num_inference_steps=2",
+               "policy.mlp.hidden_dim=16", "policy.mlp.num_blocks=1"]
+FINETUNE = {
+    "residual_ppo": ["algo.num_steps=4", "algo.actor_kwargs.hidden=16", "algo.actor_kwargs.critic_hidden=16"],
+    "residual_offpolicy": ["algo.actor_hidden_sizes=[16,16]", "algo.critic_hidden_sizes=[16,16]", "algo.ensemble=2",
+                           "algo.batch_size=16", "algo.warmup_env_steps=16", "algo.critic_only_steps=0"],
+    "dsrl": ["algo.hidden_sizes=[16,16]", "algo.batch_size=16", "algo.warmup_env_steps=16",
+             "algo.critic_only_steps=0"],
+}
+
+
+@pytest.fixture(scope="module")
+def demos(tmp_path_factory):
+    root = tmp_path_factory.mktemp("metaworld")
+    assert main(["collect", "task=metaworld/reach", "task.max_episode_steps=60", "demos=4", "num_envs=4", f"run_dir={root / 'collect'}"]) == 0
+    return root
+
+
+def test_collect_uses_meta_worlds_expert_and_records_the_instruction(demos):
+    info = json.loads((demos / "collect" / "collect_info.json").read_text())
+    assert info["expert_success_rate"] >= 0.75 and info["episodes_written"] == 4
+    from embodied_rl.data import DemoDataset
+
+    dataset = DemoDataset.load(demos / "collect" / "demos.zarr")
+    assert dataset.attrs["task"] == "metaworld/reach" and dataset.attrs["backend"] == "envpool"
+    assert dataset.instructions == ["reach the goal position with the gripper"]
+
+
+@pytest.mark.parametrize("policy", ["flow", "diffusion"])
+def test_pretrain_and_eval_with_a_video(policy, demos, capsys):
+    bc = demos / f"bc_{policy}"
+    assert main(["pretrain", *TASK, f"data={demos / 'collect' / 'demos.zarr'}", f"policy={policy}", "steps=20",
+                 "batch_size=16", *TINY_POLICY, "eval_episodes=0", "videos=0", f"run_dir={bc}"]) == 0, \
+        capsys.readouterr().err
+    out = demos / f"eval_{policy}"
+    assert main(["eval", f"checkpoint={bc}", *TASK, "episodes=2", "num_envs=2", "videos=1",
+                 "video_size=64", f"run_dir={out}"]) == 0, capsys.readouterr().err
+    info = json.loads((out / "eval_info.json").read_text())
+    assert info["backend"] == "envpool" and info["overall"]["n_episodes"] == 2
+    assert list(info["overall"]["success_by_instruction"]) == ["reach the goal position with the gripper"]
+    assert (out / info["per_episode"][0]["video"]).stat().st_size > 0
+
+
+@pytest.mark.parametrize("algo", list(FINETUNE))
+def test_finetune_resume_and_eval(algo, demos, capsys):
+    bc = demos / "bc_finetune"
+    if not bc.exists():
+        assert main(["pretrain", *TASK, f"data={demos / 'collect' / 'demos.zarr'}", "policy=flow", "steps=20",
+                     "batch_size=16", *TINY_POLICY, "eval_episodes=0", "videos=0", f"run_dir={bc}"]) == 0
+    run_dir = demos / algo
+    common = [*TASK, f"checkpoint={bc}", f"algo={algo}", *FINETUNE[algo], "num_envs=2", "eval_every=0",
+              "eval_episodes=2", "videos=0", "checkpoint_every=16", f"run_dir={run_dir}"]
+    assert main(["finetune", *common, "env_steps=32"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    # EnvPool cannot snapshot its envs: the resumed run restarts its episodes and says so
+    assert main(["finetune", *common, "env_steps=64"]) == 0, capsys.readouterr().err
+    assert "episodes in progress restart" in capsys.readouterr().out
+    assert main(["eval", f"checkpoint={run_dir}", *TASK, "episodes=2", "num_envs=2",
+                 "videos=0", f"run_dir={demos / ('eval_' + algo)}"]) == 0, capsys.readouterr().err
