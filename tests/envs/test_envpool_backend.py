@@ -43,7 +43,7 @@ def test_hopper_matches_envpool_called_directly():
 def test_same_step_auto_reset_and_time_limit():
     env = envs.make("Hopper-v5", num_envs=2, backend="envpool", seed=0, task_options={"max_episode_steps": 4})
     obs, _ = env.reset()
-    for step in range(4):
+    for _ in range(4):
         before = obs.clone()
         obs, reward, terminated, truncated, info = env.step(torch.zeros(2, 3))
     assert truncated.all() and not terminated.any()  # the time limit, apart from termination
