@@ -13,6 +13,10 @@ time and reports env steps/s (N x batched steps / s). Baselines:
   backend with threads=1) shows the backend's own overhead against the same single thread.
 - sync_vector_env: gymnasium's SyncVectorEnv over N copies of the registered single env
   (gymnasium.make("embodied_rl/PushT-v0")), what a plain gymnasium user would run.
+- envpool_direct (hopper only): EnvPool's C++ engine called directly on the same model
+  (`envpool.make("Hopper-v5", env_type="gymnasium")`, numpy actions, its own next-step
+  auto-reset), beside `envpool`, the same engine through this package's backend (torch tensors,
+  same-step auto-reset): their ratio is the backend's cost.
 mujoco_warp on Warp's CPU device is slow and is measured at N <= 16 only; with --device cuda it
 runs on the GPU at N up to 8192. The last line is one JSON object with the headline numbers.
 """
@@ -32,7 +36,9 @@ import torch
 DEFAULT_NS = (1, 16, 64, 256)
 CUDA_WARP_NS = (1, 16, 64, 256, 1024, 4096, 8192)
 WARP_CPU_MAX_N = 16
-BACKENDS = ("mujoco", "mujoco_1thread", "gymnasium", "mujoco_warp")
+BACKENDS = ("mujoco", "mujoco_1thread", "gymnasium", "mujoco_warp", "envpool", "envpool_direct")
+# EnvPool ids of the same model as a task here (envpool rows are measured for these tasks only)
+ENVPOOL_IDS = {"hopper": "Hopper-v5"}
 
 
 def available_task(name: str) -> tuple[str, str]:
@@ -145,6 +151,27 @@ def sync_vector_env_rate(task_name: str, n: int, seconds: float) -> float:
     return n * iters / elapsed
 
 
+def envpool_direct_rate(env_id: str, n: int, seconds: float) -> float:
+    """Env steps per second of EnvPool called directly (numpy in, numpy out)."""
+    from embodied_rl.envs.backends.envpool import import_envpool
+
+    envpool = import_envpool()  # mujoco first, as EnvPool's renderer needs
+    pool = envpool.make(env_id, env_type="gymnasium", num_envs=n, batch_size=n, seed=0,
+                        num_threads=min(n, len(os.sched_getaffinity(0))))
+    rng = np.random.default_rng(0)
+    actions = rng.uniform(-1, 1, size=(8, n, *pool.action_space.shape))
+    pool.reset()
+    counter = {"k": 0}
+
+    def step() -> None:
+        pool.step(actions[counter["k"] % 8])
+        counter["k"] += 1
+
+    iters, elapsed = timed_loop(step, seconds)
+    pool.close()
+    return n * iters / elapsed
+
+
 def rate_of(rows: list[dict[str, Any]], task: str, backend: str, n: int) -> float | None:
     match = [r["sps"] for r in rows if r["task"] == task and r["backend"] == backend and r["n"] == n]
     return match[0] if match else None
@@ -155,6 +182,8 @@ def make_env(task_name: str, backend: str, n: int, device: str):
 
     if backend == "mujoco_1thread":
         return make(task_name, num_envs=n, backend="mujoco", seed=0, threads=1)
+    if backend == "envpool":
+        return make(ENVPOOL_IDS[task_name], num_envs=n, backend="envpool", seed=0)
     sim_device = device if backend == "mujoco_warp" else "cpu"
     return make(task_name, num_envs=n, backend=backend, device=sim_device, seed=0)
 
@@ -197,10 +226,15 @@ def main() -> None:
         warp_ns = CUDA_WARP_NS if args.device.startswith("cuda") else [
             n for n in ns if n <= WARP_CPU_MAX_N]
         for backend in backends:
+            if backend.startswith("envpool") and task_name not in ENVPOOL_IDS:
+                continue
             for n in (warp_ns if backend == "mujoco_warp" else ns):
-                env = make_env(task_name, backend, n, args.device)
-                rate = batched_rate(env, args.seconds, env.action_dim)
-                env.close()
+                if backend == "envpool_direct":
+                    rate = envpool_direct_rate(ENVPOOL_IDS[task_name], n, args.seconds)
+                else:
+                    env = make_env(task_name, backend, n, args.device)
+                    rate = batched_rate(env, args.seconds, env.action_dim)
+                    env.close()
                 rows.append(dict(task=task_name, backend=backend, n=n, sps=rate))
                 print(f"  {backend:<16} N={n:<5} {rate:>12,.0f} env steps/s", flush=True)
         if not args.no_baselines:
@@ -237,6 +271,14 @@ def main() -> None:
                 entry["mujoco_n64_over_raw"] = round(mujoco64 / raw_env, 3)
         if mujoco64 and sync64:
             entry["mujoco_n64_over_sync_vector_env"] = round(mujoco64 / sync64, 2)
+        for n in ns:
+            direct = rate_of(rows, task_name, "envpool_direct", n)
+            if direct:
+                ours, wrapped = rate_of(rows, task_name, "mujoco", n), rate_of(rows, task_name, "envpool", n)
+                if wrapped:
+                    entry[f"envpool_backend_over_direct_n{n}"] = round(wrapped / direct, 3)
+                if ours:
+                    entry[f"mujoco_over_envpool_direct_n{n}"] = round(ours / direct, 3)
         warp_rates = [(r["n"], r["sps"]) for r in rows
                       if r["task"] == task_name and r["backend"] == "mujoco_warp"]
         if warp_rates:

@@ -44,7 +44,7 @@ SUCCESS_KEYS = ("success", "is_success")
 OPTIONS = ("num_threads", "env_kwargs")
 
 
-def _import_envpool():
+def import_envpool():
     # EnvPool's renderer needs mujoco's GL setup done first, so mujoco is imported before it.
     import mujoco  # noqa: F401
 
@@ -91,7 +91,7 @@ class EnvPoolEnv(BatchedEnv):
         render_size: int = 256,
         env_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        self._envpool = _import_envpool()
+        self._envpool = import_envpool()
         if num_envs < 1:
             raise UserError(f"num_envs must be >= 1, got {num_envs}")
         if num_envs % len(env_ids):
