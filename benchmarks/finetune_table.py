@@ -99,16 +99,19 @@ def _metrics(run_dir: Path) -> list[dict]:
     return read_metrics(run_dir)
 
 
-def bc_checkpoint(task: str, given: dict[str, str], root: Path) -> Path:
-    """The task's BC checkpoint: given with --checkpoints, else collect + pretrain with the task defaults."""
+def bc_checkpoint(task: str, given: dict[str, str], root: Path, collect: list[str] = (),
+                  pretrain: list[str] = ()) -> Path:
+    """The task's BC checkpoint: given with --checkpoints, else collect + pretrain with the task
+    defaults (and the `collect` / `pretrain` overrides)."""
     if task in given:
         return Path(given[task])
     bc_dir = root / f"{task}_bc"
     if not (bc_dir / "pretrain" / "checkpoints" / "last").exists():
         if not (bc_dir / "demos.zarr").exists():
-            _cli(["collect", f"task={task}", f"out={bc_dir / 'demos.zarr'}", f"run_dir={bc_dir / 'collect'}"])
+            _cli(["collect", f"task={task}", f"out={bc_dir / 'demos.zarr'}", f"run_dir={bc_dir / 'collect'}",
+                  *collect])
         _cli(["pretrain", f"task={task}", "policy=flow", f"data={bc_dir / 'demos.zarr'}", "videos=0",
-              "eval_episodes=0", f"run_dir={bc_dir / 'pretrain'}"])
+              "eval_episodes=0", f"run_dir={bc_dir / 'pretrain'}", *pretrain])
     return bc_dir / "pretrain" / "checkpoints" / "last"
 
 
@@ -135,9 +138,11 @@ def finetune_run(task: str, algo: str, seed: int, checkpoint: Path, run_dir: Pat
               f"env_steps={args.env_steps}", f"num_envs={args.num_envs}", f"eval_every={args.eval_every}",
               f"eval_episodes={args.curve_episodes}", "videos=0", f"run_dir={run_dir / 'finetune'}",
               *overrides_for(algo, args.set)])
-    if not (run_dir / "eval" / "eval_info.json").exists():
+    if not (run_dir / "eval" / "eval_info.json").exists():  # task overrides (task.*=) hold here too
+        task_sets = [entry for entry in overrides_for(algo, args.set) if entry.startswith("task.")]
         _cli(["eval", f"task={task}", f"checkpoint={run_dir / 'finetune' / 'checkpoints' / 'last'}",
-              f"episodes={args.eval_episodes}", "videos=0", f"seed={args.eval_seed}", f"run_dir={run_dir / 'eval'}"])
+              f"episodes={args.eval_episodes}", "videos=0", f"seed={args.eval_seed}", f"run_dir={run_dir / 'eval'}",
+              *task_sets])
     metrics = _metrics(run_dir / "finetune")
     evals = [r for r in metrics if "eval/success_rate" in r]
     reached = next((r for r in evals if r["eval/success_rate"] >= args.target), None)

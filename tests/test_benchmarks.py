@@ -83,3 +83,24 @@ def test_finetune_timing_compares_reinflow_with_dppo(capsys, monkeypatch):
     # one denoising step against ten, the same network: K=1 is clearly cheaper per iteration
     assert result["speedup_reinflow_k1"] > 1.5
     assert "ReinFlow K=4" in capsys.readouterr().out
+
+
+def test_metaworld_table_reports_expert_bc_and_finetuned_rows(tmp_path, capsys, monkeypatch):
+    import pytest
+
+    pytest.importorskip("envpool")
+    import mujoco  # noqa: F401  (EnvPool's renderer needs mujoco imported before envpool)
+
+    bench = load_benchmark("metaworld_table")
+    argv = ["metaworld_table.py", "--tasks", "reach", "--algos", "residual_ppo", "--env-steps", "32",
+            "--num-envs", "2", "--eval-every", "16", "--curve-episodes", "2", "--eval-episodes", "2",
+            "--demos", "2", "--pretrain-steps", "10", "--max-episode-steps", "20", "--out", str(tmp_path / "out"),
+            "--pretrain-set", "policy.horizon=4", "policy.n_action_steps=2", "policy.mlp.hidden_dim=16",
+            "--set", "algo.num_steps=4", "algo.actor_kwargs.hidden=16", "algo.actor_kwargs.critic_hidden=16"]
+    monkeypatch.setattr(sys, "argv", argv)
+    rows = bench.table(bench.parse_args())
+    assert set(rows) == {"reach"}
+    row = rows["reach"]
+    assert row["expert"] == 1.0 and row["demos"] == 2 and 0.0 <= row["bc"] <= 1.0
+    assert row["residual_ppo"]["env_steps"] >= 32 and len(row["residual_ppo"]["ci95"]) == 2
+    assert "reach" in capsys.readouterr().out
