@@ -10,6 +10,10 @@ interval); each --algos method fine-tunes that checkpoint (periodic evaluations 
 and training wall time to the first evaluation at >= --target) and its last checkpoint is
 evaluated on the same episodes. Finished runs are reused, so an interrupted table resumes. The last
 line printed is one JSON object with every row.
+
+    python benchmarks/metaworld_table.py --tasks MT50 --experts-only --expert-episodes 50
+
+runs only Meta-World's scripted policies (quality 1) on every task and prints their success rates.
 """
 
 from __future__ import annotations
@@ -33,6 +37,30 @@ def suite_tasks(names: list[str]) -> list[str]:
         cls = task_class(f"metaworld/{name}")
         tasks += list(cls.suite_tasks)
     return tasks
+
+
+def expert_rates(args) -> dict:
+    """Success rate of each task's scripted expert over --expert-episodes episodes (quality 1)."""
+    from embodied_rl import envs
+
+    rates = {}
+    for short in suite_tasks(args.tasks):
+        task = f"metaworld/{short}"
+        env = envs.make(task, num_envs=args.num_envs, seed=args.eval_seed)
+        expert = envs.make_expert(task, env)
+        obs, _ = env.reset()
+        successes: list[bool] = []
+        while len(successes) < args.expert_episodes:
+            obs, _, _, _, info = env.step(expert.act(obs))
+            finished = info["_episode"]
+            successes += info["episode"]["success_once"][finished].tolist()
+            expert.reset(finished)
+        env.close()
+        rates[short] = sum(successes[:args.expert_episodes]) / args.expert_episodes
+        print(f"{short:<28} {rates[short]:.2f}", flush=True)
+    at_90 = sum(rate >= 0.9 for rate in rates.values())
+    print(f"{at_90} of {len(rates)} tasks at >= 90%; mean {sum(rates.values()) / len(rates):.3f}")
+    return rates
 
 
 def table(args) -> dict:
@@ -99,9 +127,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-episode-steps", type=int, default=None,
                         help="task.max_episode_steps for evaluation and fine-tuning (default: 500)")
     parser.add_argument("--out", default="runs/metaworld_table")
+    parser.add_argument("--experts-only", action="store_true", help="only the scripted experts' success rates")
+    parser.add_argument("--expert-episodes", type=int, default=50)
     return parser.parse_args()
 
 
 if __name__ == "__main__":
     arguments = parse_args()
-    print(json.dumps(table(arguments)))
+    print(json.dumps(expert_rates(arguments) if arguments.experts_only else table(arguments)))
