@@ -129,17 +129,10 @@ def batched_rate(env: Any, seconds: float, action_dim: int) -> float:
     return env.num_envs * iters / elapsed
 
 
-def sync_vector_env_rate(task_name: str, n: int, seconds: float) -> float:
-    """Env steps per second of gymnasium.vector.SyncVectorEnv over the registered single env."""
-    import gymnasium as gym
-
-    import embodied_rl.envs  # noqa: F401  (registers embodied_rl/<Name>-v0)
-    from embodied_rl.envs.registry import gym_id
-
-    vec = gym.vector.SyncVectorEnv([lambda: gym.make(gym_id(task_name))] * n)
+def vector_rate(vec: Any, n: int, action_shape: tuple[int, ...], seconds: float) -> float:
+    """Env steps per second of a reset numpy vector env (gymnasium's or EnvPool's), random actions."""
     rng = np.random.default_rng(0)
-    actions = rng.uniform(-1, 1, size=(8, *vec.action_space.shape)).astype(np.float32)
-    vec.reset(seed=0)
+    actions = rng.uniform(-1, 1, size=(8, *action_shape)).astype(np.float32)
     counter = {"k": 0}
 
     def step() -> None:
@@ -151,6 +144,18 @@ def sync_vector_env_rate(task_name: str, n: int, seconds: float) -> float:
     return n * iters / elapsed
 
 
+def sync_vector_env_rate(task_name: str, n: int, seconds: float) -> float:
+    """Env steps per second of gymnasium.vector.SyncVectorEnv over the registered single env."""
+    import gymnasium as gym
+
+    import embodied_rl.envs  # noqa: F401  (registers embodied_rl/<Name>-v0)
+    from embodied_rl.envs.registry import gym_id
+
+    vec = gym.vector.SyncVectorEnv([lambda: gym.make(gym_id(task_name))] * n)
+    vec.reset(seed=0)
+    return vector_rate(vec, n, vec.action_space.shape, seconds)
+
+
 def envpool_direct_rate(env_id: str, n: int, seconds: float) -> float:
     """Env steps per second of EnvPool called directly (numpy in, numpy out)."""
     from embodied_rl.envs.backends.envpool import import_envpool
@@ -158,18 +163,8 @@ def envpool_direct_rate(env_id: str, n: int, seconds: float) -> float:
     envpool = import_envpool()  # mujoco first, as EnvPool's renderer needs
     pool = envpool.make(env_id, env_type="gymnasium", num_envs=n, batch_size=n, seed=0,
                         num_threads=min(n, len(os.sched_getaffinity(0))))
-    rng = np.random.default_rng(0)
-    actions = rng.uniform(-1, 1, size=(8, n, *pool.action_space.shape))
     pool.reset()
-    counter = {"k": 0}
-
-    def step() -> None:
-        pool.step(actions[counter["k"] % 8])
-        counter["k"] += 1
-
-    iters, elapsed = timed_loop(step, seconds)
-    pool.close()
-    return n * iters / elapsed
+    return vector_rate(pool, n, (n, *pool.action_space.shape), seconds)
 
 
 def rate_of(rows: list[dict[str, Any]], task: str, backend: str, n: int) -> float | None:
