@@ -133,24 +133,21 @@ def task_overrides(task_cfg: Mapping[str, Any]) -> dict[str, Any]:
 
     `task_cfg` is configs/task/<name>.yaml with the command line's overrides (a dict or
     DictConfig). Keys that commands read (demos, quality, pretrain_steps) are skipped; descriptive
-    keys (has_success, expert, obs_dim, ...) must match the task; every other key overrides the
-    Task class attribute of that name (max_episode_steps, ...). Returns only the values that
-    differ from the class. A contradiction, an unknown key or a bad value is a UserError naming
-    the key.
+    keys (has_success, expert, obs_dim, ...) must match the task made with the other keys; every
+    other key overrides the Task class attribute of that name (max_episode_steps, ...). Returns
+    only the values that differ from the class. A contradiction, an unknown key or a bad value is
+    a UserError naming the key.
     """
     name = task_cfg["name"]
     cls = task_class(name)
     overrides: dict[str, Any] = {}
+    descriptive: dict[str, Any] = {}
     for key in task_cfg:
         value = task_cfg[key]
         if key in COMMAND_KEYS:
             continue
         if key in DESCRIPTIVE_KEYS:
-            actual = has_expert(name) if key == "expert" else getattr(cls, key)
-            if isinstance(actual, tuple):  # instructions, suite_tasks: a list in the config
-                actual, value = list(actual), list(value)
-            if value != actual:
-                raise UserError(f"task.{key}={value} contradicts task '{name}', whose {key} is {actual!r}")
+            descriptive[key] = value
             continue
         if key.startswith("_") or not hasattr(cls, key) or callable(getattr(cls, key)):
             raise UserError(f"unknown key 'task.{key}' for task '{name}'")
@@ -161,6 +158,16 @@ def task_overrides(task_cfg: Mapping[str, Any]) -> dict[str, Any]:
             raise UserError(f"task.{key} must be >= 1, got {value}")
         if value != default:
             overrides[key] = value
+    # Descriptive keys are checked against the task made with these options: a description may
+    # follow an option (push_t's success_criterion follows task.success). Making it also runs
+    # the task's own checks of its option values.
+    task = cls(**overrides)
+    for key, value in descriptive.items():
+        actual = has_expert(name) if key == "expert" else getattr(task, key)
+        if isinstance(actual, tuple):  # instructions, suite_tasks: a list in the config
+            actual, value = list(actual), list(value)
+        if value != actual:
+            raise UserError(f"task.{key}={value} contradicts task '{name}', whose {key} is {actual!r}")
     return overrides
 
 
