@@ -28,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "finetune": ("RL fine-tuning of a pretrained policy", "embodied_rl.commands.finetune"),
     "quickstart": ("collect, pretrain, eval, finetune, eval on the default task", "embodied_rl.commands.quickstart"),
     "tasks": ("list every task: backends, observation modes, success criterion, expert", "embodied_rl.commands.tasks"),
+    "import-demos": ("read a LeRobotDataset v3 directory into a demo dataset", "embodied_rl.commands.import_demos"),
+    "export-demos": ("write a demo dataset as a LeRobotDataset v3 directory", "embodied_rl.commands.export_demos"),
 }
 
 USAGE = """usage: embodied-rl <command> [key=value ...]
@@ -43,7 +45,7 @@ Every command takes Hydra overrides (key=value); those that write a run director
 
 
 def usage() -> str:
-    lines = [f"  {name:<11} {text}" for name, (text, _) in COMMANDS.items()]
+    lines = [f"  {name:<12} {text}" for name, (text, _) in COMMANDS.items()]
     return USAGE.format(commands="\n".join(lines))
 
 
