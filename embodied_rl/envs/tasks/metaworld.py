@@ -27,9 +27,14 @@ PREFIX = "metaworld/"
 SUITES = ("MT10", "MT50")
 
 
+def camel_case(name: str) -> str:
+    """pick-place -> PickPlace."""
+    return "".join(part[:1].upper() + part[1:] for part in name.split("-"))
+
+
 def envpool_id(task: str) -> str:
     """EnvPool's id of a Meta-World task name: pick-place -> MetaWorld/PickPlace-v3."""
-    return "MetaWorld/" + "".join(part[:1].upper() + part[1:] for part in task.split("-")) + "-v3"
+    return f"MetaWorld/{camel_case(task)}-v3"
 
 
 def config_path(short_name: str):
@@ -83,8 +88,7 @@ def task_class(name: str) -> type[MetaWorldTask]:
     else:
         suite_tasks = (short_name,)
         instructions = tuple(config["instructions"])
-    class_name = "MetaWorld" + "".join(part[:1].upper() + part[1:] for part in short_name.split("-")) + "Task"
-    return type(class_name, (MetaWorldTask,), {
+    return type(f"MetaWorld{camel_case(short_name)}Task", (MetaWorldTask,), {
         "name": PREFIX + short_name, "suite_tasks": suite_tasks, "instructions": instructions,
         "__doc__": f"Meta-World v3 {short_name} ({len(suite_tasks)} task(s)), run by EnvPool.",
     })
