@@ -3,6 +3,7 @@ evaluation of the fine-tuned checkpoint, bad input."""
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,15 +12,21 @@ from embodied_rl.cli import main
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
+    from embodied_rl.data.dataset import write_demos
     from embodied_rl.policies import make_policy, save_policy
 
     root = tmp_path_factory.mktemp("bc")
     torch.manual_seed(0)
+    rng = np.random.default_rng(0)  # the demos the policies "were trained on" (algorithms that read demos)
+    episodes = [{"obs": rng.standard_normal((10, 8)).astype(np.float32),
+                 "action": rng.uniform(-1, 1, (10, 2)).astype(np.float32),
+                 "reward": np.zeros(10, np.float32), "success": bool(e % 2)} for e in range(4)]
+    data = write_demos(root / "demos", episodes, {"task": "reach", "obs_dim": 8, "action_dim": 2})
     for policy_type, steps in (("diffusion", 3), ("flow", 2)):
         policy = make_policy(policy_type, obs_dim=8, action_dim=2, n_obs_steps=2, horizon=4, n_action_steps=2,
                              num_inference_steps=steps, task="reach",
                              backbone_kwargs=dict(hidden_dim=16, num_blocks=1, time_dim=8))
-        save_policy(policy, root / policy_type)
+        save_policy(policy, root / policy_type, extra={"dataset": str(data)})
     return root
 
 

@@ -39,6 +39,7 @@ AGENTS: dict[str, str] = {
     **{kind: "embodied_rl.actors:build_actor_agent" for kind in ACTORS},
     "residual_offpolicy": "embodied_rl.actors.residual_offpolicy:build_residual_agent",
     "dsrl": "embodied_rl.actors.latent_noise:build_noise_agent",
+    "recap": "embodied_rl.actors.recap:build_recap_agent",
 }
 
 

@@ -28,6 +28,7 @@ ALGOS: dict[str, str] = {
     "dsrl_na": "embodied_rl.algos.dsrl",
     "residual_offpolicy": "embodied_rl.algos.sac",
     "residual_sac": "embodied_rl.algos.sac",  # the former name of residual_offpolicy, kept as an alias
+    "recap": "embodied_rl.algos.recap",
 }
 
 

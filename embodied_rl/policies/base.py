@@ -180,6 +180,13 @@ class ChunkPolicy(nn.Module):
         extra = {key: batch[key] for key in ("pixels", "instruction") if key in batch}
         return {"state": batch["obs"], **extra} if extra else batch["obs"]
 
+    def encode_batch(self, batch: dict[str, Tensor]) -> Tensor:
+        """The conditioning of a training batch: `encode_obs` of its obs, plus the batch's
+        "cond_offset" [B, cond_dim] where it has one (an additive shift of the conditioning,
+        which advantage-conditioned training (RECAP) uses to add its indicator embedding)."""
+        cond = self.encode_obs(self.batch_obs(batch))
+        return cond + batch["cond_offset"] if "cond_offset" in batch else cond
+
     # ------------------------------------------------------------------ sampling
     def initial_noise(self, n: int, generator: torch.Generator | None = None) -> Tensor:
         device = generator.device if generator is not None else self.device

@@ -105,7 +105,7 @@ class DiffusionPolicy(ChunkPolicy):
         return mean, std.expand_as(mean)
 
     def bc_loss(self, batch: dict[str, Tensor]) -> Tensor:
-        cond = self.encode_obs(self.batch_obs(batch))
+        cond = self.encode_batch(batch)
         x0 = self.normalize_action(batch["action"])
         noise = torch.randn_like(x0)
         t = torch.randint(0, self.train_scheduler.config.num_train_timesteps, (len(x0),), device=x0.device)

@@ -69,7 +69,7 @@ class FlowPolicy(ChunkPolicy):
         return torch.rand(n, device=device)
 
     def bc_loss(self, batch: dict[str, Tensor]) -> Tensor:
-        cond = self.encode_obs(self.batch_obs(batch))
+        cond = self.encode_batch(batch)
         x1 = self.normalize_action(batch["action"])
         x0 = torch.randn_like(x1)
         t = self.sample_train_times(len(x1), x1.device)

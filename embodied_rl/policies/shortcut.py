@@ -59,7 +59,7 @@ class ShortcutPolicy(FlowPolicy):
         return self.velocity(x, float(self.timesteps()[i]), cond, self.dt)
 
     def bc_loss(self, batch: dict[str, Tensor]) -> Tensor:
-        cond = self.encode_obs(self.batch_obs(batch))
+        cond = self.encode_batch(batch)
         x1 = self.normalize_action(batch["action"])
         x0 = torch.randn_like(x1)
         n = len(x1)

@@ -180,6 +180,8 @@ RESUME_CASES = [
     case("residual_sac", "flow", *RESIDUAL_OFF_POLICY, "algo.learner=sac", id="residual_sac-sac"),
     case("dsrl", "flow", *DSRL),
     case("dsrl_na", "flow", *DSRL),
+    case("recap", "flow", "algo.rollout_steps=8", "algo.policy_updates=2", "algo.value_updates=2",
+         "algo.batch_size=16"),
 ]
 
 
@@ -200,4 +202,4 @@ def test_a_resumed_run_continues_exactly_as_if_never_stopped(algo, policy, extra
     expected, resumed = train_rows(whole), train_rows(parts)
     assert len(expected) >= 4 and resumed == expected
     trained = {key for step, row in expected.items() if step > 64 for key in row}
-    assert trained & {"train/policy_loss", "train/actor_loss"}  # the policy itself trains after the resume
+    assert trained & {"train/policy_loss", "train/actor_loss", "train/bc_loss"}  # the policy trains after the resume
