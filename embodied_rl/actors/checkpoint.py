@@ -13,6 +13,8 @@
                                      learner, normalize_obs          critic.* (the Q ensemble)
     dsrl                             noise bound and shape, SB3      the SB3 SAC policy's state_dict
                                      network sizes, variant          (noise actor and critics)
+    recap                            the guidance weight             indicator.table; its base_policy/
+                                                                     is the fine-tuned policy
 
 `save_agent` writes a checkpoint, `read_agent_json` and `load_agent_tensors` read its parts, and
 `embodied_rl.actors.load_agent` builds the agent of any checkpoint. Checkpoints written before
