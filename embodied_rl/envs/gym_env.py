@@ -1,6 +1,6 @@
 """Every task as a plain single-env gymnasium.Env, for Stable-Baselines3 and other libraries.
 
-`import embodied_rl.envs` registers `embodied_rl/<Name>-v0` (Reach, ReachChoice, PushT, Lift,
+`import embodied_rl.envs` registers `embodied_rl/<Name>-v0` (Reach, ReachChoice, PushT, Lift, Tabletop,
 PegInsert, Hopper). Without that import, `gymnasium.make("embodied_rl.envs:embodied_rl/Reach-v0")`
 imports the module first (gymnasium's "module:id" syntax; gymnasium 1.x has no plugin entry
 points).

@@ -26,6 +26,7 @@ TASKS: dict[str, tuple[str, str]] = {
     "lift": ("embodied_rl.envs.tasks.lift", "LiftTask"),
     "peg_insert": ("embodied_rl.envs.tasks.peg_insert", "PegInsertTask"),
     "hopper": ("embodied_rl.envs.tasks.hopper", "HopperTask"),
+    "tabletop": ("embodied_rl.envs.tasks.tabletop", "TabletopTask"),
 }
 
 # gymnasium ids: embodied_rl/<GymName>-v0
@@ -36,6 +37,7 @@ GYM_NAMES: dict[str, str] = {
     "lift": "Lift",
     "peg_insert": "PegInsert",
     "hopper": "Hopper",
+    "tabletop": "Tabletop",
 }
 
 BACKENDS: dict[str, str] = {
@@ -222,7 +224,7 @@ def make(
 ) -> BatchedEnv:
     """Make N copies of a task on a backend.
 
-    `name` is a registered task (reach, reach_choice, push_t, lift, peg_insert, hopper,
+    `name` is a registered task (reach, reach_choice, push_t, lift, peg_insert, hopper, tabletop,
     metaworld/<task>, metaworld/MT10, ...), or for backend="gymnasium" / "envpool" an env id of
     that engine. `backend=None` takes the task's default (`Task.backends[0]`: mujoco for this
     package's tasks, envpool for Meta-World). `obs_mode="pixels"` returns obs dicts

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from embodied_rl.envs.api import SimBatchedEnv, SimState, Task
-from embodied_rl.envs.render import make_renderer, render_datas
+from embodied_rl.envs.render import BatchRenderer
 from embodied_rl.errors import UserError
 
 
@@ -112,7 +112,7 @@ class MujocoCpuEnv(SimBatchedEnv):
         self.substeps = int(task.control_substeps)
         self.threads = default_threads(n) if threads is None else max(1, min(int(threads), n))
         self._pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
-        self._renderers: dict[int, Any] = {}
+        self._renderer: BatchRenderer | None = None  # made on first use
 
     # ---- physics primitives ----
     @property
@@ -226,22 +226,18 @@ class MujocoCpuEnv(SimBatchedEnv):
         return torch.from_numpy(np.isfinite(self._buffer).all(axis=1))
 
     def _render_frames(self, env_ids: Tensor, size: int) -> Tensor:
-        datas = [self.datas[i] for i in env_ids.tolist()]
-        return torch.from_numpy(render_datas(self._renderer(size), datas, self.task.camera))
-
-    def _renderer(self, size: int) -> Any:
-        """One offscreen renderer per image size, created on first use."""
-        if size not in self._renderers:
-            self._renderers[size] = make_renderer(self.model, size)
-        return self._renderers[size]
+        if self._renderer is None:
+            self._renderer = BatchRenderer(self.model, self.task.camera)
+        ids = env_ids.tolist()
+        return torch.from_numpy(self._renderer.render((self.datas[i] for i in ids), len(ids), size))
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        for renderer in self._renderers.values():
-            renderer.close()
-        self._renderers.clear()
+        if self._renderer is not None:
+            self._renderer.close()
+            self._renderer = None
 
     def __del__(self) -> None:
         try:

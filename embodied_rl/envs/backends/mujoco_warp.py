@@ -11,9 +11,9 @@ CUDA device that sequence is captured once into a CUDA graph (wp.ScopedCapture) 
 on Warp's CPU device it is a plain loop. Warp compiles its kernels on first use (tens of seconds
 per model on the CPU; cached under ~/.cache/warp afterwards).
 
-Rendering copies the requested envs' qpos/qvel into one CPU MjData and draws it with the CPU
-backend's renderer. Physics that goes non-finite is reset by SimBatchedEnv, as on the CPU backend;
-MuJoCo Warp raises no per-world warnings, so NaN/inf rows are the only instability signal.
+Rendering copies the requested envs' qpos into one CPU MjData, frame by frame, and draws them with
+the batched renderer of envs/render.py. Physics that goes non-finite is reset by SimBatchedEnv, as
+on the CPU backend; MuJoCo Warp raises no per-world warnings, so NaN/inf rows are the only instability signal.
 
 Snapshots (`get_state`) copy SNAPSHOT_FIELDS, MuJoCo's integration state plus sensordata (whose
 acceleration sensors only the next step refreshes); restoring writes them back and runs forward
@@ -24,12 +24,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from embodied_rl.envs.api import SimBatchedEnv, SimState, Task
-from embodied_rl.envs.backends.mujoco_cpu import MujocoCpuEnv
+from embodied_rl.envs.render import BatchRenderer
 from embodied_rl.errors import UserError
 
 # What a step reads that earlier steps left behind: mjSTATE_INTEGRATION's arrays, and sensordata.
@@ -114,7 +113,7 @@ class MujocoWarpEnv(SimBatchedEnv):
                 self._graph = capture.graph
 
         self._render_data = mujoco.MjData(model)
-        self._renderers: dict[int, Any] = {}
+        self._renderer: BatchRenderer | None = None  # made on first use
 
     # ---- physics primitives ----
     @property
@@ -203,29 +202,29 @@ class MujocoWarpEnv(SimBatchedEnv):
         views["sensordata"].copy_(state["sensordata"].to(self.sim_device))  # as the last step left it
         self._torch_done()
 
-    # Rendering reuses the CPU backend's offscreen renderer (same look, same options).
-    _renderer = MujocoCpuEnv._renderer
-
     def _render_frames(self, env_ids: Tensor, size: int) -> Tensor:
-        mujoco, data = self._mujoco, self._render_data
+        """The CPU backend's batched renderer (same look), over one MjData refilled per frame
+        with an env's qpos and its kinematics."""
         ids = env_ids.to(self.sim_device)
         self._warp_done()
         qpos = self._state.qpos[ids].double().cpu().numpy()
-        qvel = self._state.qvel[ids].double().cpu().numpy()
-        renderer = self._renderer(size)
-        frames = np.empty((len(env_ids), size, size, 3), dtype=np.uint8)
-        for row in range(len(env_ids)):
-            data.qpos[:] = qpos[row]
-            data.qvel[:] = qvel[row]
-            mujoco.mj_forward(self.model, data)
-            renderer.update_scene(data, camera=self.task.camera)
-            frames[row] = renderer.render()
-        return torch.from_numpy(frames)
+        if self._renderer is None:
+            self._renderer = BatchRenderer(self.model, self.task.camera)
+
+        def datas():
+            mujoco, data = self._mujoco, self._render_data
+            for row in range(len(qpos)):
+                data.qpos[:] = qpos[row]
+                for stage in (mujoco.mj_kinematics, mujoco.mj_comPos, mujoco.mj_camlight):
+                    stage(self.model, data)  # poses, then the cameras (tracking ones included)
+                yield data
+
+        return torch.from_numpy(self._renderer.render(datas(), len(qpos), size))
 
     def close(self) -> None:
-        for renderer in self._renderers.values():
-            renderer.close()
-        self._renderers.clear()
+        if self._renderer is not None:
+            self._renderer.close()
+            self._renderer = None
 
 
 def make_env(task: Task, num_envs: int, device: str = "cpu", seed: int = 0, **options: Any) -> MujocoWarpEnv:
