@@ -4,6 +4,11 @@ Loads a policy checkpoint (BC-pretrained or RL-finetuned: `load_policy` tells th
 it on `min(num_envs, episodes)` parallel envs through the agent protocol, and writes
 `<run_dir>/eval_info.json` and `<run_dir>/videos/episode_<k>.mp4`. Without `task=`, the task
 recorded in the checkpoint is used; a `task=` that differs from it is an error.
+
+`instruction="any English sentence"` (a vla checkpoint) makes the policy read that instruction in
+every env instead of the env's own, encoded on the fly by the policy's text encoder: language
+ablations and paraphrases. Success is still judged on each env's own instruction, which the
+per-episode records keep; eval_info.json adds "policy_instruction".
 """
 
 from __future__ import annotations
@@ -28,7 +33,42 @@ def validate(cfg: DictConfig) -> Path:
     path = Path(str(checkpoint)).expanduser()
     if not path.exists():
         raise UserError(f"checkpoint '{path}' does not exist")
+    instruction = cfg.get("instruction")
+    if instruction is not None and (not isinstance(instruction, str) or not instruction.strip()):
+        raise UserError(f"instruction must be a non-empty string, got {instruction!r}")
     return path
+
+
+class ReadsInstruction:
+    """An agent shown instruction id `instruction` in every env in place of the env's own."""
+
+    def __init__(self, agent: Any, instruction: int):
+        self.agent, self.instruction = agent, int(instruction)
+
+    def reset(self, mask: Any) -> None:
+        self.agent.reset(mask)
+
+    def seed(self, seed: int) -> None:
+        from embodied_rl.eval.evaluate import seed_agent
+
+        seed_agent(self.agent, seed)
+
+    def act(self, obs: dict[str, Any]) -> Any:
+        return self.agent.act({**obs, "instruction": obs["instruction"].clone().fill_(self.instruction)})
+
+
+def read_instruction(agent: Any, text: str) -> ReadsInstruction:
+    """`agent`, made to read `text`: every vla policy it holds appends the text's embedding."""
+    from torch import nn
+
+    from embodied_rl.policies import VLAPolicy
+
+    modules = [value for value in vars(agent).values() if isinstance(value, nn.Module)]
+    policies = {id(m): m for module in modules for m in module.modules() if isinstance(m, VLAPolicy)}
+    if not policies:
+        raise UserError("instruction= needs a vla checkpoint (its policy encodes new instructions)")
+    ids = {policy.add_instruction(text) for policy in policies.values()}
+    return ReadsInstruction(agent, ids.pop())
 
 
 def load_checkpoint(path: Path, device: str = "cpu") -> Any:
@@ -75,6 +115,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         agent = load_agent(checkpoint, num_envs, str(cfg.device))
     else:
         agent = PolicyRunner(policy, num_envs)  # evaluate() reseeds its generator every round
+    if cfg.get("instruction") is not None:
+        agent = read_instruction(agent, str(cfg.instruction))
 
     if OmegaConf.select(cfg, "task.name", default=None) is None:
         with open_dict(cfg):  # record the task taken from the checkpoint in config.yaml
@@ -96,6 +138,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         "seed": int(cfg.seed),
         "backend": envs.resolve_backend(task, cfg.backend),
         "device": str(cfg.device),
+        **({"policy_instruction": str(cfg.instruction)} if cfg.get("instruction") is not None else {}),
         **eval_info,
         "config": OmegaConf.to_container(cfg, resolve=True),
     }

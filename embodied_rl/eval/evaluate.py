@@ -143,7 +143,9 @@ def _run_round(env, agent, reset_seed, first_episode, slots, videos, video_dir, 
     length = torch.zeros(num_envs, dtype=torch.int64)
     success = torch.zeros(num_envs, dtype=torch.bool)
     records: dict[int, dict[str, Any]] = {}
-    recorders = {i: EpisodeRecorder(video_size, fps) for i in range(min(videos, slots))}
+    # a language-conditioned env's videos show each episode's instruction on the frame
+    captions = {i: instructions[int(obs["instruction"][i])] if instructions else None for i in range(num_envs)}
+    recorders = {i: EpisodeRecorder(video_size, fps, captions[i]) for i in range(min(videos, slots))}
     if recorders:
         ids = sorted(recorders)
         for i, frame in zip(ids, _render(env, ids)):

@@ -1,4 +1,5 @@
-"""Rollout videos: frames with a text overlay (step, reward, return, SUCCESS/FAIL), saved as mp4.
+"""Rollout videos: frames with a text overlay (the instruction, step, reward, return, SUCCESS/FAIL),
+saved as mp4.
 
 Text is drawn with Pillow's built-in default font (no font files to ship); videos are written by
 imageio's ffmpeg plugin (imageio-ffmpeg ships its own ffmpeg binary).
@@ -71,6 +72,14 @@ def draw_overlay(
     return np.asarray(image)
 
 
+def wrap_caption(caption: str, width: int, height: int) -> list[str]:
+    """`caption` (an instruction) in lines that fit a frame `width` pixels wide."""
+    import textwrap
+
+    font_width = 0.6 * max(8, height // 18)  # the default font's average glyph width, about
+    return textwrap.wrap(caption, max(8, int(width / font_width) - 1))
+
+
 def step_lines(step: int, reward: float | None, episode_return: float) -> list[str]:
     reward_text = "-" if reward is None else f"{reward:+.3f}"
     return [f"step {step}", f"reward {reward_text}", f"return {episode_return:.3f}"]
@@ -119,16 +128,21 @@ class EpisodeRecorder:
     a video has `length + end_hold_frames(fps)` frames.
     """
 
-    def __init__(self, height: int | None = None, fps: int = DEFAULT_FPS):
+    def __init__(self, height: int | None = None, fps: int = DEFAULT_FPS, caption: str | None = None):
         self.height = height
         self.fps = fps
+        self.caption = caption  # drawn above the step lines (the episode's instruction)
         self.frames: list[np.ndarray] = []
         self._last_image: np.ndarray | None = None
 
     def add(self, frame: np.ndarray, step: int, reward: float | None, episode_return: float) -> None:
         image = resize_frame(np.asarray(frame, dtype=np.uint8), self.height)
         self._last_image = image
-        self.frames.append(draw_overlay(image, step_lines(step, reward, episode_return)))
+        self.frames.append(draw_overlay(image, self._lines(image, step, reward, episode_return)))
+
+    def _lines(self, image: np.ndarray, step: int, reward: float | None, episode_return: float) -> list[str]:
+        caption = wrap_caption(self.caption, image.shape[1], image.shape[0]) if self.caption else []
+        return caption + step_lines(step, reward, episode_return)
 
     def finish(
         self, path: str | Path, step: int, reward: float, episode_return: float, success: bool | None
@@ -136,6 +150,7 @@ class EpisodeRecorder:
         if self._last_image is None:
             raise ValueError("EpisodeRecorder.finish called before any frame was added")
         banner, color = result_banner(success, episode_return)
-        last = draw_overlay(self._last_image, step_lines(step, reward, episode_return), banner, color)
+        lines = self._lines(self._last_image, step, reward, episode_return)
+        last = draw_overlay(self._last_image, lines, banner, color)
         frames = self.frames + [last] * end_hold_frames(self.fps)
         return write_video(path, frames, self.fps)

@@ -1,5 +1,5 @@
-"""Behaviour-cloning chunk policies (diffusion, flow matching, shortcut), checkpoints, and the chunk
-executor that runs them (runner.py)."""
+"""Behaviour-cloning chunk policies (diffusion, flow matching, shortcut, and the vision-language-action
+policy vla), checkpoints, and the chunk executor that runs them (runner.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from embodied_rl.policies.diffusion import DiffusionPolicy
 from embodied_rl.policies.flow import FlowPolicy
 from embodied_rl.policies.runner import ChunkExecutor, ObsHistory, PolicyRunner, executed_actions
 from embodied_rl.policies.shortcut import ShortcutPolicy
+from embodied_rl.policies.vla import VLAPolicy
 
 POLICIES: dict[str, type[ChunkPolicy]] = {
     "diffusion": DiffusionPolicy,
     "flow": FlowPolicy,
     "shortcut": ShortcutPolicy,
+    "vla": VLAPolicy,
 }
 
 
@@ -37,6 +39,7 @@ __all__ = [
     "ObsHistory",
     "PolicyRunner",
     "ShortcutPolicy",
+    "VLAPolicy",
     "executed_actions",
     "load_policy",
     "make_policy",
