@@ -3,6 +3,8 @@
     PYTHONPATH=. .venv/bin/python benchmarks/env_throughput.py
     PYTHONPATH=. .venv/bin/python benchmarks/env_throughput.py --tasks push_t --ns 64 --seconds 3
     PYTHONPATH=. .venv/bin/python benchmarks/env_throughput.py --device cuda   # Warp up to N=8192
+    MUJOCO_GL=egl PYTHONPATH=. .venv/bin/python benchmarks/env_throughput.py --tasks tabletop,lift \
+        --pixels 64 --ns 16,64 --backends mujoco                                 # with 64x64 camera obs
 
 For every task and N it steps each backend with uniform random actions for `--seconds` of wall
 time and reports env steps/s (N x batched steps / s). Baselines:
@@ -18,7 +20,9 @@ time and reports env steps/s (N x batched steps / s). Baselines:
   auto-reset), beside `envpool`, the same engine through this package's backend (torch tensors,
   same-step auto-reset): their ratio is the backend's cost.
 mujoco_warp on Warp's CPU device is slow and is measured at N <= 16 only; with --device cuda it
-runs on the GPU at N up to 8192. The last line is one JSON object with the headline numbers.
+runs on the GPU at N up to 8192. `--pixels S` makes every step also render each env's S x S camera
+observation (obs_mode="pixels", the batched renderer of envs/render.py); the baselines step
+state only, so they are skipped then. The last line is one JSON object with the headline numbers.
 """
 
 from __future__ import annotations
@@ -172,9 +176,15 @@ def rate_of(rows: list[dict[str, Any]], task: str, backend: str, n: int) -> floa
     return match[0] if match else None
 
 
-def make_env(task_name: str, backend: str, n: int, device: str):
+def make_env(task_name: str, backend: str, n: int, device: str, pixels: int = 0):
     from embodied_rl.envs.registry import make
 
+    if pixels:
+        options = {"obs_mode": "pixels", "image_size": pixels}
+        if backend == "mujoco_1thread":
+            return make(task_name, num_envs=n, backend="mujoco", seed=0, threads=1, **options)
+        sim_device = device if backend == "mujoco_warp" else "cpu"
+        return make(task_name, num_envs=n, backend=backend, device=sim_device, seed=0, **options)
     if backend == "mujoco_1thread":
         return make(task_name, num_envs=n, backend="mujoco", seed=0, threads=1)
     if backend == "envpool":
@@ -192,7 +202,11 @@ def main() -> None:
                         help="wall time per measurement (the best of 3 is reported)")
     parser.add_argument("--device", default="cpu", help="Warp device for mujoco_warp: cpu|cuda")
     parser.add_argument("--no-baselines", action="store_true", help="skip raw and SyncVectorEnv")
+    parser.add_argument("--pixels", type=int, default=0,
+                        help="render S x S camera observations every step (0: state only)")
     args = parser.parse_args()
+    if args.pixels:  # the baselines and EnvPool step state only
+        args.no_baselines = True
 
     torch.set_num_threads(1)
     ns = [int(n) for n in args.ns.split(",")]
@@ -200,7 +214,8 @@ def main() -> None:
     load_start = os.getloadavg()
     print(f"machine: {platform.processor() or platform.machine()}, "
           f"{len(os.sched_getaffinity(0))} cores, load average at start {load_start[0]:.2f} "
-          f"(1 min) {load_start[1]:.2f} (5 min); best of {REPEATS} x {args.seconds:g} s per measurement")
+          f"(1 min) {load_start[1]:.2f} (5 min); best of {REPEATS} x {args.seconds:g} s per measurement"
+          + (f"; {args.pixels}x{args.pixels} pixel observations" if args.pixels else ""))
 
     rows: list[dict[str, Any]] = []
     headline: dict[str, Any] = {}
@@ -221,13 +236,13 @@ def main() -> None:
         warp_ns = CUDA_WARP_NS if args.device.startswith("cuda") else [
             n for n in ns if n <= WARP_CPU_MAX_N]
         for backend in backends:
-            if backend.startswith("envpool") and task_name not in ENVPOOL_IDS:
+            if backend.startswith("envpool") and (task_name not in ENVPOOL_IDS or args.pixels):
                 continue
             for n in (warp_ns if backend == "mujoco_warp" else ns):
                 if backend == "envpool_direct":
                     rate = envpool_direct_rate(ENVPOOL_IDS[task_name], n, args.seconds)
                 else:
-                    env = make_env(task_name, backend, n, args.device)
+                    env = make_env(task_name, backend, n, args.device, args.pixels)
                     rate = batched_rate(env, args.seconds, env.action_dim)
                     env.close()
                 rows.append(dict(task=task_name, backend=backend, n=n, sps=rate))
@@ -258,6 +273,8 @@ def main() -> None:
         mujoco64 = rate_of(rows, task_name, "mujoco", 64)
         sync64 = rate_of(rows, task_name, "sync_vector_env", 64)
         entry: dict[str, Any] = {"measured_task": task_name}
+        if args.pixels:
+            entry["pixels"] = args.pixels
         if mujoco64:
             entry["mujoco_n64_sps"] = round(mujoco64)
         if raw_env:
