@@ -110,7 +110,8 @@ def print_table(rows: dict, args) -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=["MT10"], help="Meta-World tasks, or MT10 / MT50")
-    parser.add_argument("--algos", nargs="+", default=["residual_offpolicy", "residual_ppo"])
+    parser.add_argument("--algos", nargs="*", default=["residual_offpolicy", "residual_ppo"],
+                        help="fine-tuning methods; none (a bare --algos) gives the expert and BC rows only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--env-steps", type=int, default=100000)
     parser.add_argument("--num-envs", type=int, default=16)
