@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,9 @@ from embodied_rl.errors import Diverged, UserError
 from embodied_rl.paths import config_dir
 
 # command -> (one-line help, module with `main(cfg) -> (headline, run_dir)`)
+# Commands that run data-parallel under torchrun (embodied_rl/distributed.py).
+DATA_PARALLEL = ("finetune", "pretrain")
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "collect": ("run a scripted expert and write a demo dataset", "embodied_rl.commands.collect"),
     "pretrain": ("behaviour-clone a policy from demos", "embodied_rl.commands.pretrain"),
@@ -179,19 +183,62 @@ def main(argv: list[str] | None = None) -> int:
             print(f"embodied-rl {command}: {COMMANDS[command][0]}\n\nconfig (override with key=value):\n")
             print(OmegaConf.to_yaml(cfg))
             return 0
+        if _world_size() > 1:
+            if command not in DATA_PARALLEL:
+                raise UserError(f"'{command}' runs in one process; under torchrun run {' or '.join(DATA_PARALLEL)}")
+            from embodied_rl import distributed
+
+            distributed.init(str(cfg.device))
+            signal.signal(signal.SIGTERM, _stopped_by_torchrun)
         module = importlib.import_module(COMMANDS[command][1])
         headline, run_dir = module.main(cfg)
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {_rank_prefix()}{error}", file=sys.stderr)
         return 2
     except Diverged as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {_rank_prefix()}{error}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    print_headline(command, headline, run_dir)
+    except Exception as error:
+        if _world_size() > 1 and _lost_peer(error):
+            _stopped_by_torchrun(0, None)
+        raise
+    finally:
+        if _world_size() > 1:
+            from embodied_rl import distributed
+
+            distributed.close()
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 prints the headline
+        print_headline(command, headline, run_dir)
     return 0
+
+
+def _world_size() -> int:
+    """The number of processes torchrun launched (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _stopped_by_torchrun(signum: int, frame: Any) -> None:
+    """torchrun stops the other ranks when one fails: say so in one line (torchrun's report,
+    which names the failed rank, follows)."""
+    print(f"error: {_rank_prefix()}stopped because another rank of the job failed; relaunch the same "
+          "command to resume from checkpoints/last", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _lost_peer(error: Exception) -> bool:
+    """A collective failed because another rank went away (gloo: the connection closed)."""
+    import torch.distributed as dist
+
+    text = str(error)
+    return isinstance(error, dist.DistError) or "Connection closed by peer" in text or "Connection reset" in text
+
+
+def _rank_prefix() -> str:
+    """"rank R: " under torchrun, so the line says which process stopped the job."""
+    return f"rank {os.environ.get('RANK', '0')}: " if _world_size() > 1 else ""
 
 
 if __name__ == "__main__":

@@ -84,11 +84,12 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         raise
 
 
-def progress(iterable: Iterable | None = None, total: int | None = None, desc: str = ""):
-    """A tqdm progress bar, shown only when stderr is a terminal."""
+def progress(iterable: Iterable | None = None, total: int | None = None, desc: str = "", show: bool = True):
+    """A tqdm progress bar, shown only when stderr is a terminal (and `show`: data-parallel
+    ranks other than 0 pass False)."""
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, total=total, desc=desc, disable=not sys.stderr.isatty(), leave=False)
+    return tqdm(iterable, total=total, desc=desc, disable=not (show and sys.stderr.isatty()), leave=False)
 
 
 LOCK_FILE = ".lock"
@@ -154,7 +155,11 @@ class Run:
     `Run(path)` creates the directory and locks it for this process (a second process on the
     same run_dir is refused). `log(step, metrics)` appends one JSON line to metrics.jsonl (a
     non-finite value as "nan", "inf" or "-inf") and mirrors every scalar to TensorBoard under tb/.
+    `Run.follower(path)`: the run as a data-parallel rank other than 0 sees it (rank 0 writes
+    the directory): it creates, locks and writes nothing.
     """
+
+    writes = True
 
     def __init__(self, path: str | Path, command: str = "", allow_existing: bool = False):
         self.path = Path(path)
@@ -169,20 +174,30 @@ class Run:
         self._lock = _lock_run_dir(self.path)
         self._tb = None
 
+    @classmethod
+    def follower(cls, path: str | Path, command: str = "") -> Run:
+        run = cls.__new__(cls)
+        run.path, run.command, run._lock, run._tb, run.writes = Path(path), command, None, False, False
+        return run
+
     def file(self, *parts: str) -> Path:
         return self.path.joinpath(*parts)
 
     def write_json(self, name: str, obj: Any) -> Path:
         target = self.file(name)
-        atomic_write_json(target, obj)
+        if self.writes:
+            atomic_write_json(target, obj)
         return target
 
     def write_text(self, name: str, text: str) -> Path:
         target = self.file(name)
-        atomic_write_text(target, text)
+        if self.writes:
+            atomic_write_text(target, text)
         return target
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.writes:
+            return
         scalars = {key: _metric_value(value) for key, value in metrics.items()}
         scalars = {key: value for key, value in scalars.items() if value is not None}
         with open(self.file("metrics.jsonl"), "a", encoding="utf-8") as f:

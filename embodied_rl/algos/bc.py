@@ -8,6 +8,11 @@ copy (the weights used for evaluation and saved in checkpoints), logs loss and l
 `log_every` steps, and calls `evaluate_fn` / `checkpoint_fn` with the EMA policy every
 `eval_every` steps and once at the end (`checkpoint_fn(ema_policy, policy, optimizer, step)`;
 `save_checkpoint` writes one).
+
+Data-parallel (torchrun, embodied_rl/distributed.py): every rank samples its own batches (its own
+seed), the gradients are averaged across ranks before each step (a step of K ranks sees K
+batches of `batch_size`), the logged loss is the mean over ranks, and rank 0 alone evaluates and
+writes checkpoints.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from embodied_rl import distributed
 from embodied_rl.data.windows import ChunkWindows
 from embodied_rl.policies.base import ChunkPolicy
 from embodied_rl.policies.checkpoint import write_policy_files
@@ -123,8 +129,10 @@ def train_bc(
     checkpoint_fn: Callable[[ChunkPolicy, ChunkPolicy, torch.optim.Optimizer, int], None] | None = None,
 ) -> dict[str, Any]:
     """Train `policy` in place; returns {"ema_policy", "final_loss", "losses", "evals", "train_s"}."""
-    torch.manual_seed(config.seed)
-    generator = torch.Generator().manual_seed(config.seed)
+    distributed.broadcast_modules([policy])
+    seed = distributed.rank_seed(config.seed)  # each rank its own batches and noise
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(
         policy.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
     )
@@ -138,6 +146,8 @@ def train_bc(
     start = time.perf_counter()
 
     def evaluate_and_save(step: int) -> None:
+        if not distributed.is_main():
+            return
         if evaluate_fn is not None:
             metrics = evaluate_fn(ema.model, step)
             evals.append((step, metrics))
@@ -147,7 +157,7 @@ def train_bc(
             checkpoint_fn(ema.model, policy, optimizer, step)
 
     policy.train()
-    bar = progress(range(1, config.steps + 1), total=config.steps, desc="pretrain")
+    bar = progress(range(1, config.steps + 1), total=config.steps, desc="pretrain", show=distributed.is_main())
     for step in bar:
         batch = windows.sample(config.batch_size, generator)
         loss = policy.bc_loss(batch)
@@ -155,6 +165,7 @@ def train_bc(
             raise FloatingPointError(f"BC loss became {loss.item()} at step {step}")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        distributed.average_gradients(policy.parameters())
         nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip)
         optimizer.step()
         lr_schedule.step()
@@ -163,7 +174,7 @@ def train_bc(
         running_loss += loss.item()
         running_count += 1
         if step % config.log_every == 0 or step == config.steps:
-            mean_loss = running_loss / running_count
+            mean_loss = distributed.mean_over_ranks(running_loss / running_count)
             losses.append((step, mean_loss))
             running_loss, running_count = 0.0, 0
             if run is not None:

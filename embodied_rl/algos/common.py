@@ -29,6 +29,11 @@ loop reads top to bottom in its file (CleanRL style) and calls this at its bound
   algorithms check their losses and gradient norms; a non-finite value logs its row and raises
   `Diverged`, which the CLI turns into one line and exit code 3. checkpoints/last stays the last
   finite state.
+- Data-parallel runs (torchrun, embodied_rl/distributed.py): the counters are the job's (env
+  steps and episodes summed over ranks), so every rank takes the same logging, evaluation and
+  checkpoint decisions; each rank's finished episodes reach the metrics rows through a gather;
+  rank 0 evaluates and writes; a checkpoint holds every rank's RNGs and loop state
+  (training_state/rank_<r>.pt for r >= 1) and checks that the ranks' weights are equal.
 The checkpoint layout and the `finetune(cfg, run, env, policy)` interface: docs/finetuning.md.
 """
 
@@ -48,6 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from embodied_rl import distributed
 from embodied_rl.errors import Diverged, UserError
 from embodied_rl.runs import Run, atomic_write_json, progress
 
@@ -379,8 +385,10 @@ class FinetuneLoop:
         self.write_agent: Callable[[Path], None] | None = None
         self.resumed_from: Path | None = None
         self.saved_step: int | None = None  # the env step of the newest checkpoint this run holds
-        self.episode_returns: list[float] = []  # episodes finished in the current logging window
+        self.episode_returns: list[float] = []  # this rank's episodes finished since the last sync
         self.episode_successes: list[float] = []
+        self.window_returns: list[float] = []  # every rank's episodes of the current logging window
+        self.window_successes: list[float] = []
         self.evaluator: Evaluator | None = None
         self.bar = None
 
@@ -398,7 +406,10 @@ class FinetuneLoop:
         restore the RNGs and counters, and return the algorithm's loop state saved with it
         (with "replay" when saved); None for a fresh run."""
         self.modules, self.optimizers, self.write_agent = modules, optimizers, write_agent
-        path = find_checkpoint(self.run.file("checkpoints"))
+        # rank 0 finds (and repairs) the newest checkpoint; every rank then reads it
+        path = find_checkpoint(self.run.file("checkpoints")) if distributed.is_main() else None
+        path = distributed.broadcast_object(None if path is None else str(path))
+        path = None if path is None else Path(path)
         loop_state = None
         if path is not None:
             state_dir = path / TRAINING_STATE
@@ -406,19 +417,28 @@ class FinetuneLoop:
             if "modules" not in state:
                 raise UserError(f"checkpoint '{path}' was written by an older version and cannot be resumed "
                                 "(it still loads with eval); choose a new run_dir")
+            counters = json.loads((state_dir / COUNTERS).read_text())
+            ranks = int(counters.get("ranks", 1))
+            if ranks != distributed.world_size():
+                raise UserError(f"checkpoint '{path}' was written by {ranks} rank(s); resume it with "
+                                f"{ranks} (now {distributed.world_size()})")
             for name, module in modules.items():
                 module.load_state_dict(state["modules"][name])
             saved_optimizers = torch.load(state_dir / "optimizers.pt", weights_only=True)
             for name, optimizer in optimizers.items():
                 optimizer.load_state_dict(saved_optimizers[name])
+            if distributed.rank() > 0:  # this rank's own RNGs, loop state and replay shard
+                state.update(torch.load(state_dir / f"rank_{distributed.rank()}.pt", weights_only=True))
             set_rng_state(state["rng"])
-            self.counters.update(json.loads((state_dir / COUNTERS).read_text()))
+            self.counters.update(counters)
             self.counters.pop("step", None)
-            self.episode_returns = state["window"]["returns"].tolist()
-            self.episode_successes = state["window"]["successes"].tolist()
+            self.window_returns = state["window"]["returns"].tolist()
+            self.window_successes = state["window"]["successes"].tolist()
             self.saved_step = self.env_steps
             loop_state = dict(state["loop"])
-            if (state_dir / REPLAY).exists():
+            if state.get("replay") is not None:
+                loop_state["replay"] = state["replay"]
+            elif (state_dir / REPLAY).exists() and distributed.is_main():
                 loop_state["replay"] = torch.load(state_dir / REPLAY, weights_only=True)
             self.resumed_from = path
         self.evaluator = Evaluator(self.cfg, self.run, counters=self.counters, env_options=self.env_options)
@@ -427,27 +447,38 @@ class FinetuneLoop:
         return loop_state
 
     def start(self, desc: str) -> None:
-        """Evaluate the base policy at step 0 (fresh runs) and show the progress bar."""
-        if self.resumed_from is None and self.evaluator.every > 0:
+        """Evaluate the base policy at step 0 (fresh runs) and show the progress bar (rank 0)."""
+        if self.resumed_from is None and self.evaluator.every > 0 and distributed.is_main():
             self.evaluator.maybe_evaluate(0, self.make_eval_agent, force=True)
-        self.bar = progress(total=self.total_env_steps, desc=desc)
+        self.bar = progress(total=self.total_env_steps, desc=desc, show=distributed.is_main())
         self.bar.update(min(self.env_steps, self.total_env_steps))
 
     # ---- every step or iteration ----
 
     def advance(self, env_steps: int, info: dict[str, Any] | None = None) -> None:
-        """Count `env_steps` more env steps; record the episodes `info` reports finished."""
-        self.counters["env_steps"] += int(env_steps)
+        """Count `env_steps` more env steps of this rank (every rank steps as many: the job's
+        count grows by world_size times that); record the episodes `info` reports finished."""
+        env_steps = int(env_steps) * distributed.world_size()
+        self.counters["env_steps"] += env_steps
         if info is not None and bool(info["_episode"].any()):
             ended = info["_episode"]
             self.record_episodes(info["episode"]["return"][ended].tolist(),
                                  info["episode"]["success_once"][ended].float().tolist())
-        self.bar.update(int(env_steps))
+        self.bar.update(env_steps)
 
     def record_episodes(self, returns: list[float], successes: list[float]) -> None:
+        """This rank's finished episodes; they count (counters["episodes"]) once synced."""
         self.episode_returns += returns
         self.episode_successes += successes
-        self.counters["episodes"] += len(returns)
+
+    def _sync_episodes(self) -> None:
+        """Move every rank's newly finished episodes into the logging window (the same on every
+        rank) and count them."""
+        for returns, successes in distributed.all_gather_objects((self.episode_returns, self.episode_successes)):
+            self.window_returns += returns
+            self.window_successes += successes
+            self.counters["episodes"] += len(returns)
+        self.episode_returns, self.episode_successes = [], []
 
     def check_finite(self, quantity: str, value: Any, metrics: dict[str, Any] | None = None) -> None:
         """Stop the run (Diverged, exit code 3) when `value` is not finite; its row is logged."""
@@ -466,12 +497,13 @@ class FinetuneLoop:
         window (`log_every` env steps) is full, or `force`. Returns whether it wrote."""
         if not force and self.next_log is not None and self.env_steps < self.next_log:
             return False
+        self._sync_episodes()
         row = dict(metrics)
-        if self.episode_returns:
-            row["rollout/return"] = sum(self.episode_returns) / len(self.episode_returns)
-            row["rollout/success_rate"] = sum(self.episode_successes) / len(self.episode_successes)
-            row["rollout/episodes"] = len(self.episode_returns)
-            self.episode_returns, self.episode_successes = [], []
+        if self.window_returns:
+            row["rollout/return"] = sum(self.window_returns) / len(self.window_returns)
+            row["rollout/success_rate"] = sum(self.window_successes) / len(self.window_successes)
+            row["rollout/episodes"] = len(self.window_returns)
+            self.window_returns, self.window_successes = [], []
         self.run.log(self.env_steps, row)
         self.next_log = _next_multiple(self.env_steps, self.log_every)
         return True
@@ -479,7 +511,7 @@ class FinetuneLoop:
     def boundary(self, loop_state: Callable[[], dict[str, Any]]) -> None:
         """Where the loop may stop and resume: evaluate when eval_every is due and checkpoint when
         checkpoint_every is due (`loop_state()` is called only then)."""
-        if self.env_steps < self.total_env_steps:
+        if self.env_steps < self.total_env_steps and distributed.is_main():
             self.evaluator.maybe_evaluate(self.env_steps, self.make_eval_agent)
         if self.next_checkpoint is not None and self.env_steps >= self.next_checkpoint:
             self.save(loop_state())
@@ -487,17 +519,29 @@ class FinetuneLoop:
     def save(self, loop_state: dict[str, Any]) -> Path:
         """Write a checkpoint: agent files, modules, optimisers, RNGs, counters and `loop_state`
         (its "replay" entry into its own file, left out when save_replay=false). Refuses to
-        write non-finite weights or optimiser state (Diverged)."""
+        write non-finite weights or optimiser state (Diverged). Under torchrun every rank calls
+        it: the other ranks send rank 0 their RNGs, loop state and replay shard."""
         modules = {name: module.state_dict() for name, module in self.modules.items()}
         optimizers = {name: optimizer.state_dict() for name, optimizer in self.optimizers.items()}
         bad = _first_non_finite({"weights": modules}) or _first_non_finite({"optimizer": optimizers})
         if bad is not None:
             self._diverged(bad)
+        distributed.check_in_sync(self.modules)
+        self._sync_episodes()
         loop_state = dict(loop_state)
         replay = loop_state.pop("replay", None)
-        counters = {**self.counters, **self.evaluator.clock(), "step": self.env_steps}
-        window = {"returns": torch.tensor(self.episode_returns, dtype=torch.float64),
-                  "successes": torch.tensor(self.episode_successes, dtype=torch.float64)}
+        if not self.save_replay:
+            replay = None
+        other_ranks = distributed.gather_objects(
+            None if distributed.is_main() else {"rng": rng_state(), "loop": loop_state, "replay": replay})
+        self.saved_step = self.env_steps
+        self.next_checkpoint = _next_multiple(self.env_steps, self.checkpoint_every)
+        path = self.run.file("checkpoints", "last")
+        if not distributed.is_main():
+            return path
+        counters = {**self.counters, **self.evaluator.clock(), "ranks": distributed.world_size(), "step": self.env_steps}
+        window = {"returns": torch.tensor(self.window_returns, dtype=torch.float64),
+                  "successes": torch.tensor(self.window_successes, dtype=torch.float64)}
 
         def fill(directory: Path) -> None:
             self.write_agent(directory)
@@ -506,14 +550,13 @@ class FinetuneLoop:
             torch.save(optimizers, state_dir / "optimizers.pt")
             torch.save({"rng": rng_state(), "modules": modules, "loop": loop_state, "window": window},
                        state_dir / "state.pt")
-            if replay is not None and self.save_replay:
+            if replay is not None:
                 torch.save(replay, state_dir / REPLAY)
+            for rank, rank_state in enumerate(other_ranks[1:], start=1):
+                torch.save(rank_state, state_dir / f"rank_{rank}.pt")
             (state_dir / COUNTERS).write_text(json.dumps(counters) + "\n")  # last: marks it complete
 
-        path = write_checkpoint(self.run.file("checkpoints"), self.env_steps, fill)
-        self.saved_step = self.env_steps
-        self.next_checkpoint = _next_multiple(self.env_steps, self.checkpoint_every)
-        return path
+        return write_checkpoint(self.run.file("checkpoints"), self.env_steps, fill)
 
     # ---- end ----
 
@@ -526,7 +569,7 @@ class FinetuneLoop:
             self.save(loop_state)
         evaluator = self.evaluator
         info = evaluator.last_info
-        if evaluator.every > 0 and evaluator.last_step != self.env_steps:
+        if evaluator.every > 0 and evaluator.last_step != self.env_steps and distributed.is_main():
             info = evaluator.maybe_evaluate(self.env_steps, self.make_eval_agent, force=True)
         evaluator.close()
         self.run.log(self.env_steps, {"train/wall_s": evaluator.clock()["wall_s"]})

@@ -20,6 +20,11 @@ GRPO (algo.group_size = G > 1): groups of G envs start from the same initial sta
 advantage (core.group_advantages) is given to every step of that episode; no critic. Groups
 whose members all got the same return carry no signal and are masked out.
 
+Data-parallel (torchrun, embodied_rl/distributed.py): each rank collects its own envs; the
+advantage normalisation takes every rank's statistics, the gradients are averaged before each
+optimiser step and the early stop uses the mean KL over ranks, so the weights stay equal; the
+train/* loss metrics are rank 0's.
+
 Hyperparameters: configs/algo/{residual_ppo,dppo,reinflow,flow_sde,grpo,dsrl_ppo}.yaml.
 """
 
@@ -33,7 +38,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from embodied_rl import core
+from embodied_rl import core, distributed
 from embodied_rl.actors import make_actor
 from embodied_rl.actors.base import ActorAgent, HistoryEnv, ObsHistory
 from embodied_rl.algos.common import FinetuneLoop, env_snapshot, reward_settings, training_reward
@@ -221,7 +226,7 @@ def collect_grpo(env, henv, actor, group_size: int, max_mdp_steps: int, sparse_r
         episode_return += torch.where(running, reward, torch.zeros_like(reward))
         success |= info["episode"]["success_once"] & info["_episode"] & running
         running &= ~done
-        if not bool(running.any()):
+        if not distributed.any_rank(bool(running.any())):  # every rank runs as many MDP steps
             break
     stash = _stack([r.pop("stash") for r in rows])
     batch = _stack(rows)
@@ -238,6 +243,9 @@ def collect_grpo(env, henv, actor, group_size: int, max_mdp_steps: int, sparse_r
     return batch, stats
 
 
+DATA_PARALLEL = True  # runs under torchrun (embodied_rl/distributed.py)
+
+
 def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     algo = PPOConfig.from_cfg(cfg.algo)
     device = torch.device(cfg.device)
@@ -251,6 +259,8 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
 
     # ---- actor, optimiser, run bookkeeping (resumed from the newest checkpoint when there is one) ----
     actor = make_ppo_actor(algo, policy, num_envs).to(device)
+    distributed.broadcast_modules([actor])
+    distributed.seed_rank(int(cfg.seed))  # the ranks explore with different noise
     if shaping is not None and (actor.chunked or grpo):
         raise UserError("algo.reward_shaping needs a per-step actor (residual) and PPO, not chunks or GRPO")
     param_groups = [{"params": actor.actor_parameters(), "lr": algo.lr}]
@@ -260,7 +270,8 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     initial_lrs = [group["lr"] for group in optimizer.param_groups]
     steps_per_mdp = actor.n_action_steps if actor.chunked else 1
     max_mdp_steps = math.ceil(env.max_episode_steps / steps_per_mdp) + 1
-    env_steps_per_iter = num_envs * steps_per_mdp * (max_mdp_steps if grpo else algo.num_steps)
+    # every rank's envs (num_envs is this rank's shard under torchrun)
+    env_steps_per_iter = num_envs * distributed.world_size() * steps_per_mdp * (max_mdp_steps if grpo else algo.num_steps)
     iterations = max(1, math.ceil(int(cfg.env_steps) / env_steps_per_iter))
 
     loop = FinetuneLoop(cfg, run, lambda n: ActorAgent(actor.for_eval(n), n, deterministic=True),
@@ -272,7 +283,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     history = ObsHistory(actor.n_obs_steps)
     henv = HistoryEnv(env, history)
     if saved is None or saved["env"] is None:  # new episodes: a new run, or a backend without snapshots
-        obs, _ = henv.reset(seed=int(cfg.seed) + loop.env_steps)
+        obs, _ = henv.reset(seed=distributed.rank_seed(int(cfg.seed) + loop.env_steps))
         actor.reset(torch.ones(num_envs, dtype=torch.bool))
     else:  # continue exactly where the checkpoint stopped: same env states, histories, queues
         env.set_state(saved["env"])
@@ -312,8 +323,8 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         flat_stash = {k: _flat(v) for k, v in batch["stash"].items()}
         valid = flat["valid"].bool()
         advantage = flat["advantage"]
-        if algo.norm_adv and int(valid.sum()) > 1:
-            advantage = core.masked_whiten(advantage, valid) * valid
+        if algo.norm_adv and int(distributed.all_sum(valid.sum())) > 1:
+            advantage = distributed.masked_whiten(advantage, valid) * valid  # over every rank's batch
         batch_size = flat["logprob"].shape[0]
         minibatch_size = max(1, batch_size // algo.num_minibatches)
         clips = actor.clip_coefs(algo.clip)
@@ -334,7 +345,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
             for begin in range(0, batch_size, minibatch_size):
                 mb = order[begin:begin + minibatch_size]
                 mb_valid = valid[mb]
-                if not bool(mb_valid.any()):
+                if not distributed.any_rank(bool(mb_valid.any())):
                     continue
                 mb_obs = index_obs(flat["obs"], mb)
                 mb_stash = {k: v[mb] for k, v in flat_stash.items()}
@@ -367,6 +378,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
                     loss = loss + algo.vf_coef * losses["value_loss"]
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
+                distributed.average_gradients(actor.parameters())
                 grad_norm = torch.nn.utils.clip_grad_norm_(actor.parameters(), algo.max_grad_norm)
                 for key, value in losses.items():
                     metrics.setdefault(key, []).append(float(value.detach()))
@@ -375,7 +387,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
                 loop.check_finite("train/grad_norm", grad_norm)
                 optimizer.step()
             kl = metrics.get("approx_kl", [0.0])
-            if algo.target_kl is not None and not critic_only and kl and kl[-1] > algo.target_kl:
+            if algo.target_kl is not None and not critic_only and distributed.mean_over_ranks(kl[-1]) > algo.target_kl:
                 stop = True
             if stop:
                 break

@@ -14,6 +14,11 @@ action the base policy would have taken there); a terminated one does not bootst
 
 `finetune(cfg, run, env, policy)` is the `embodied-rl finetune algo=residual_offpolicy` entry point
 (`algo=residual_sac` is its former name).
+
+Data-parallel (torchrun, embodied_rl/distributed.py): each rank steps its own envs into its own
+replay shard and samples its own batches; every gradient (critic, actor, entropy coefficient) is
+averaged across ranks before its optimiser step, so one gradient step of K ranks sees K batches
+and `utd_ratio` counts gradient steps per env step of one rank.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import Tensor, nn
 
+from embodied_rl import distributed
 from embodied_rl.actors import save_agent
 from embodied_rl.actors.base import head_input, layer_norm_mlp
 from embodied_rl.actors.residual_offpolicy import (
@@ -361,6 +367,7 @@ class ResidualSAC:
         critic_loss = ((q - target[None]) ** 2).mean(1).sum()
         self.critic_optimizer.zero_grad()
         critic_loss.backward()
+        distributed.average_gradients(self.critic.parameters())
         self.critic_optimizer.step()
         stats = {"train/critic_loss": critic_loss.item(), "train/q": q.mean().item()}
 
@@ -381,12 +388,14 @@ class ResidualSAC:
             actor_loss = (alpha * log_prob - q_pi + penalty).mean()
             self.actor_optimizer.zero_grad()
             actor_loss.backward()
+            distributed.average_gradients(self.actor.parameters())
             self.actor_optimizer.step()
             stats.update({"train/actor_loss": actor_loss.item(), "train/residual_abs": residual.abs().mean().item()})
             if self.algo.learner == "sac":
                 alpha_loss = -(self.log_alpha * (log_prob.detach() + self.target_entropy)).mean()
                 self.alpha_optimizer.zero_grad()
                 alpha_loss.backward()
+                distributed.average_gradients([self.log_alpha])
                 self.alpha_optimizer.step()
                 stats["train/alpha"] = float(alpha)
             _polyak(self.actor, self.actor_target, float(self.algo.tau))
@@ -418,6 +427,9 @@ def _polyak(source: nn.Module, target: nn.Module, tau: float) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+DATA_PARALLEL = True  # runs under torchrun (embodied_rl/distributed.py)
+
+
 def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     """Collect with base + residual, update at the UTD ratio, evaluate and checkpoint."""
     from embodied_rl.data.dataset import DemoDataset
@@ -432,6 +444,8 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     obs_dim = policy.feature_dim if algo.normalize_obs else policy.obs_dim  # the size of head_input
     action_dim = int(env.single_action_space.shape[0])
     learner = ResidualSAC(algo, obs_dim, action_dim, device, seed)
+    distributed.broadcast_modules([learner.actor, learner.actor_target, learner.critic, learner.critic_target])
+    distributed.seed_rank(seed)  # the ranks explore and sample their replay with different noise
     warm_start = WarmStart(algo.warmup_env_steps, algo.critic_only_steps)
     sparse = reward_settings(cfg).sparse
     replay = Replay(algo.buffer_size, obs_dim, action_dim, device)
@@ -448,7 +462,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         for key in ("obs", "next_obs"):
             demos[key] = features(demos[key])
     demo_batch = int(round(algo.batch_size * algo.demo_fraction)) if demos is not None else 0
-    demo_generator = torch.Generator().manual_seed(seed + 1)
+    demo_generator = torch.Generator().manual_seed(distributed.rank_seed(seed) + 1)
 
     def write_agent(path: Path) -> None:
         save_agent(path, AGENT_KIND, learner.config, residual_tensors(learner.actor, learner.critic), policy)
@@ -458,12 +472,12 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
 
     loop = FinetuneLoop(cfg, run, make_agent, policy.env_options())
     saved = loop.resume({"learner": learner}, learner.optimizers(), write_agent)
-    queue = PolicyRunner(policy, num_envs, seed=seed)
+    queue = PolicyRunner(policy, num_envs, seed=distributed.rank_seed(seed))
     window: list[dict[str, Tensor]] = []  # the last n_step steps, whose n-step returns are not complete yet
     pending_updates = 0.0
     stats: dict[str, float] = {}
     if saved is None or saved["env"] is None:  # new episodes: a new run, or a backend without snapshots
-        obs, _ = env.reset(seed=seed + loop.env_steps)
+        obs, _ = env.reset(seed=distributed.rank_seed(seed + loop.env_steps))
         base = queue.act(obs)
     else:  # continue exactly where the checkpoint stopped
         env.set_state(saved["env"])

@@ -20,11 +20,17 @@ OBS_MODES = ("state", "pixels")
 
 def start_run(cfg: DictConfig, command: str, allow_existing: bool = False) -> Run:
     """Create the run directory (run_dir=PATH or runs/<date>/<time>_<command>_<task>) and save
-    the resolved config in it."""
+    the resolved config in it. Under torchrun rank 0 does that, and the other ranks get a
+    follower Run of the same directory, which writes nothing."""
+    from embodied_rl import distributed
+
+    if not distributed.is_main():
+        return Run.follower(distributed.broadcast_object(None), command=command)
     task = OmegaConf.select(cfg, "task.name", default=None)
     path = Path(cfg.run_dir) if cfg.get("run_dir") else default_run_dir(command, task)
     run = Run(path, command=command, allow_existing=allow_existing)
     run.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    distributed.broadcast_object(str(run.path))
     return run
 
 

@@ -113,19 +113,27 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     checkpoint_task(policy, checkpoint, cfg.task.name)
 
     import embodied_rl.envs as envs
+    from embodied_rl import distributed
 
     module = importlib.import_module(ALGOS[cfg.algo.name])
-    env = envs.make(cfg.task.name, num_envs=int(cfg.num_envs), backend=cfg.backend,
-                    device=cfg.device, seed=int(cfg.seed), task_options=envs.task_overrides(cfg.task),
+    if distributed.active() and not getattr(module, "DATA_PARALLEL", False):
+        raise UserError(f"algo={cfg.algo.name} runs in one process; under torchrun use a PPO-family algo or "
+                        "residual_offpolicy")
+    # under torchrun each rank steps its own shard of the envs with its own seeds
+    env = envs.make(cfg.task.name, num_envs=distributed.shard(int(cfg.num_envs)), backend=cfg.backend,
+                    device=cfg.device, seed=distributed.rank_seed(int(cfg.seed)),
+                    task_options=envs.task_overrides(cfg.task),
                     **policy.env_options())  # the observations the policy was trained on
     if env.action_dim != policy.action_dim:
         raise UserError(f"checkpoint '{checkpoint}' acts in {policy.action_dim} dims, task {cfg.task.name} in {env.action_dim}")
-    check_previous_run(cfg)
-    run = start_run(cfg, "finetune", allow_existing=True)
     from embodied_rl.algos.common import find_checkpoint
 
-    run.resumed = find_checkpoint(run.file("checkpoints")) is not None
-    if run.resumed:
+    check_previous_run(cfg)
+    run = start_run(cfg, "finetune", allow_existing=True)
+    # rank 0 finds (and repairs) the newest checkpoint
+    resumed = find_checkpoint(run.file("checkpoints")) is not None if distributed.is_main() else None
+    run.resumed = distributed.broadcast_object(resumed)
+    if run.resumed and distributed.is_main():
         print(f"resuming from {run.file('checkpoints', 'last')}")
         if not env.can_snapshot:
             print("this backend cannot snapshot its envs: the episodes in progress restart, the learner resumes exactly")
