@@ -104,6 +104,12 @@ def _headline_metrics(overall: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
+    from embodied_rl.lm import is_lm_task
+
+    if is_lm_task(cfg):  # task=lm/<name>: a language model (embodied_rl/lm)
+        from embodied_rl.lm import sft
+
+        return sft.main(cfg)
     validate(cfg)
     import torch
 

@@ -1,0 +1,245 @@
+"""Verifiable language tasks, generated on the fly: problems, worked answers and rewards.
+
+A task makes `Problem`s (a prompt, the worked answer a supervised model is trained on, and what
+the reward needs to check a completion) from a seed. Every problem has a canonical key; its hash
+puts it in the train or the test split, so the splits are disjoint whatever the seed and a model
+never trains on a held-out problem. A reward maps (problem, completion text) to 1.0 for a correct
+answer and 0.0 for a wrong or malformed one, and never raises.
+
+- `lm/addition`: "a+b=" -> "c", operands with 1..digits digits.
+- `lm/countdown`: "46 from 3,7,25:" -> an expression over the given numbers (each at most once,
+  + - * / and parentheses) whose value is the target; parsed with `ast` and evaluated exactly
+  with fractions, never with eval().
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import random
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from embodied_rl.errors import UserError
+
+SPLITS = ("train", "test")
+# the longest completion a reward parses; longer text is malformed (and parsing it could be slow)
+MAX_COMPLETION_CHARS = 200
+
+
+@dataclass(frozen=True)
+class Problem:
+    key: str                 # canonical form: equal keys are the same problem (and share a split)
+    prompt: str
+    answer: str              # the worked answer (the SFT target, without the end-of-sequence token)
+    data: dict[str, Any] = field(default_factory=dict, compare=False)  # what the reward checks
+
+
+def split_of(key: str, test_percent: int) -> str:
+    """The split of a problem key: a hash, so it depends on the problem only."""
+    bucket = int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big") % 100
+    return "test" if bucket < test_percent else "train"
+
+
+def answer_text(completion: str) -> str:
+    """The answer part of a completion: up to the first newline, stripped."""
+    return completion.split("\n", 1)[0].strip()
+
+
+class LMTask:
+    """Base class: `sample(rng)` draws one problem of either split; the rest is shared."""
+
+    name = ""
+
+    def __init__(self, test_percent: int = 10):
+        if not isinstance(test_percent, int) or isinstance(test_percent, bool) or not 1 <= test_percent <= 50:
+            raise UserError(f"task.test_percent must be an integer in [1, 50], got {test_percent!r}")
+        self.test_percent = test_percent
+
+    def sample(self, rng: random.Random) -> Problem:
+        raise NotImplementedError
+
+    def score(self, problem: Problem, completion: str) -> float:
+        raise NotImplementedError
+
+    def reward(self, problem: Problem, completion: Any) -> float:
+        """1.0 for a correct completion, 0.0 for anything else; never raises."""
+        try:
+            if not isinstance(completion, str) or len(completion) > MAX_COMPLETION_CHARS:
+                return 0.0
+            return float(self.score(problem, completion))
+        except Exception:  # a reward must never stop training: malformed is simply wrong
+            return 0.0
+
+    def split(self, problem: Problem) -> str:
+        return split_of(f"{self.name}:{problem.key}", self.test_percent)
+
+    def stream(self, split: str, seed: int):
+        """An endless deterministic stream of problems of `split` (repeats possible)."""
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        rng = random.Random(f"{self.name}/{split}/{seed}")
+        while True:
+            problem = self.sample(rng)
+            if self.split(problem) == split:
+                yield problem
+
+    def problems(self, split: str, count: int, seed: int = 0) -> list[Problem]:
+        """`count` distinct problems of `split` (fewer if the split has fewer; at least one)."""
+        found: dict[str, Problem] = {}
+        attempts = 0
+        for problem in self.stream(split, seed):
+            attempts += 1
+            found.setdefault(problem.key, problem)
+            if len(found) >= count or attempts >= 50 * count + 1000:
+                break
+        return list(found.values())
+
+
+class AdditionTask(LMTask):
+    """a + b, each operand with a number of digits drawn uniformly from min_digits..digits."""
+
+    name = "lm/addition"
+
+    def __init__(self, digits: int = 3, min_digits: int = 1, test_percent: int = 10):
+        super().__init__(test_percent)
+        for key, value in (("digits", digits), ("min_digits", min_digits)):
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 18:
+                raise UserError(f"task.{key} must be an integer in [1, 18], got {value!r}")
+        if min_digits > digits:
+            raise UserError(f"task.min_digits must be <= task.digits={digits}, got {min_digits}")
+        self.digits, self.min_digits = digits, min_digits
+
+    def _operand(self, rng: random.Random) -> int:
+        n = rng.randint(self.min_digits, self.digits)
+        return rng.randint(0 if n == 1 else 10 ** (n - 1), 10**n - 1)
+
+    def sample(self, rng: random.Random) -> Problem:
+        a, b = self._operand(rng), self._operand(rng)
+        low, high = sorted((a, b))  # a+b and b+a are one problem, so they share a split
+        return Problem(key=f"{low}+{high}", prompt=f"{a}+{b}=", answer=str(a + b), data={"sum": a + b})
+
+    def score(self, problem: Problem, completion: str) -> float:
+        text = answer_text(completion)
+        if not text or not text.isascii() or not text.isdigit():
+            return 0.0
+        return float(int(text) == problem.data["sum"])
+
+
+class CountdownTask(LMTask):
+    """Reach `target` from 3-4 given numbers with + - * / (each number at most once).
+
+    The generator builds a random expression over the numbers with exact integer intermediate
+    results and takes its value as the target, so every problem is solvable; that expression is
+    the worked answer."""
+
+    name = "lm/countdown"
+
+    def __init__(self, min_numbers: int = 3, max_numbers: int = 4, max_number: int = 20,
+                 max_target: int = 100, test_percent: int = 10):
+        super().__init__(test_percent)
+        for key, value, low, high in (("min_numbers", min_numbers, 2, 6), ("max_numbers", max_numbers, 2, 6),
+                                      ("max_number", max_number, 2, 1000), ("max_target", max_target, 1, 100000)):
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise UserError(f"task.{key} must be an integer in [{low}, {high}], got {value!r}")
+        if min_numbers > max_numbers:
+            raise UserError(f"task.min_numbers must be <= task.max_numbers={max_numbers}, got {min_numbers}")
+        self.min_numbers, self.max_numbers = min_numbers, max_numbers
+        self.max_number, self.max_target = max_number, max_target
+
+    def _expression(self, rng: random.Random, numbers: list[int]) -> tuple[str, int] | None:
+        """A random expression using every number in `numbers` once, with its integer value."""
+        terms = [(str(n), n) for n in numbers]
+        while len(terms) > 1:
+            i, j = rng.sample(range(len(terms)), 2)
+            (left, a), (right, b) = terms[i], terms[j]
+            op = rng.choice("+-*/")
+            if op == "-" and a < b:
+                (left, a), (right, b) = (right, b), (left, a)
+            if op == "/" and (b == 0 or a % b):
+                op = "+"
+            value = {"+": a + b, "-": a - b, "*": a * b, "/": a // b if b else 0}[op]
+            terms = [t for k, t in enumerate(terms) if k not in (i, j)] + [(f"({left}{op}{right})", value)]
+        text, value = terms[0]
+        if text.startswith("(") and _matching_paren(text) == len(text) - 1:
+            text = text[1:-1]
+        return text, value
+
+    def sample(self, rng: random.Random) -> Problem:
+        while True:
+            count = rng.randint(self.min_numbers, self.max_numbers)
+            numbers = [rng.randint(1, self.max_number) for _ in range(count)]
+            used = rng.randint(2, count)  # the target may need only some of the numbers
+            text, target = self._expression(rng, rng.sample(numbers, used))
+            if 1 <= target <= self.max_target:
+                break
+        listed = ",".join(map(str, numbers))
+        key = f"{','.join(map(str, sorted(numbers)))}>{target}"
+        return Problem(key=key, prompt=f"{target} from {listed}:", answer=text,
+                       data={"numbers": numbers, "target": target})
+
+    def score(self, problem: Problem, completion: str) -> float:
+        text = answer_text(completion)
+        if not text or not set(text) <= set("0123456789+-*/() "):
+            return 0.0
+        tree = ast.parse(text, mode="eval").body
+        used: list[int] = []
+        value = _evaluate(tree, used)
+        available = list(problem.data["numbers"])
+        for number in used:
+            if number not in available:
+                return 0.0
+            available.remove(number)
+        return float(value == problem.data["target"])
+
+
+def _matching_paren(text: str) -> int:
+    """The index of the parenthesis that closes text[0]."""
+    depth = 0
+    for i, char in enumerate(text):
+        depth += char == "("
+        depth -= char == ")"
+        if depth == 0:
+            return i
+    return -1
+
+
+def _evaluate(node: ast.AST, used: list[int]) -> Fraction:
+    """The exact value of an arithmetic expression tree of integer literals and + - * /;
+    appends every literal to `used`. Anything else raises (the reward turns that into 0)."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        used.append(node.value)
+        return Fraction(node.value)
+    if isinstance(node, ast.BinOp):
+        left, right = _evaluate(node.left, used), _evaluate(node.right, used)
+        if isinstance(node.op, ast.Add):
+            return left + right
+        if isinstance(node.op, ast.Sub):
+            return left - right
+        if isinstance(node.op, ast.Mult):
+            return left * right
+        if isinstance(node.op, ast.Div):
+            return left / right  # ZeroDivisionError -> reward 0
+    raise ValueError(f"not allowed in an answer: {type(node).__name__}")
+
+
+TASKS: dict[str, type[LMTask]] = {"lm/addition": AdditionTask, "lm/countdown": CountdownTask}
+# keys of a task config that are not constructor arguments
+NON_TASK_KEYS = ("name", "pretrain_steps", "max_new_tokens")
+
+
+def make_task(task_cfg: Any) -> LMTask:
+    """The task a `task` config section describes (its keys besides NON_TASK_KEYS are arguments)."""
+    from omegaconf import OmegaConf
+
+    options = OmegaConf.to_container(task_cfg, resolve=True) if OmegaConf.is_config(task_cfg) else dict(task_cfg)
+    name = options.pop("name")
+    if name not in TASKS:
+        raise UserError(f"unknown language task '{name}' (choose from: {', '.join(TASKS)})")
+    for key in NON_TASK_KEYS:
+        options.pop(key, None)
+    try:
+        return TASKS[name](**options)
+    except TypeError as error:
+        raise UserError(f"bad task config for {name}: {error}") from None
