@@ -202,3 +202,23 @@ def test_a_rank_that_dies_stops_the_job_and_the_relaunch_resumes(bc, tmp_path):
 
 def _steps(run_dir: Path) -> int:
     return json.loads((run_dir / "checkpoints" / "last" / "training_state" / "counters.json").read_text())["env_steps"]
+
+
+def test_two_ranks_of_half_the_envs_see_what_one_rank_of_all_sees(bc, tmp_path):
+    """The same job split over two ranks: the same env steps and metrics rows, the episodes of
+    both ranks in every row (each of the 16 envs ends an episode per 50-step row), and returns
+    of the same distribution."""
+    from embodied_rl.cli import main
+
+    common = ["algo=reinflow", f"checkpoint={bc / 'flow'}", *TINY, "num_envs=16", "eval_every=0",
+              "algo.num_steps=25", "env_steps=3200"]
+    assert main(["finetune", *common, f"run_dir={tmp_path / 'one'}"]) == 0
+    done = torchrun("finetune", *common, f"run_dir={tmp_path / 'two'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {name: [r for r in (json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+                   if "rollout/episodes" in r] for name in ("one", "two")}
+    assert [r["step"] for r in rows["one"]] == [r["step"] for r in rows["two"]] == [800, 1600, 2400, 3200]
+    assert all(r["rollout/episodes"] >= 16 for r in rows["one"] + rows["two"])
+    returns = {name: np.array([r["rollout/return"] for r in rows[name]]) for name in rows}
+    spread = max(returns["one"].std(), returns["two"].std()) + 1.0
+    assert abs(returns["one"].mean() - returns["two"].mean()) < 3 * spread
