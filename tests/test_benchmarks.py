@@ -104,3 +104,18 @@ def test_metaworld_table_reports_expert_bc_and_finetuned_rows(tmp_path, capsys, 
     assert row["expert"] == 1.0 and row["demos"] == 2 and 0.0 <= row["bc"] <= 1.0
     assert row["residual_ppo"]["env_steps"] >= 32 and len(row["residual_ppo"]["ci95"]) == 2
     assert "reach" in capsys.readouterr().out
+
+
+def test_gpu_throughput_runs_on_warps_cpu_device(capsys, monkeypatch):
+    import pytest
+
+    pytest.importorskip("mujoco_warp")
+    bench = load_benchmark("gpu_throughput")
+    monkeypatch.setattr(sys, "argv", ["gpu_throughput.py", "--device", "cpu", "--ns", "2", "--env-seconds", "0.2",
+                                      "--iterations", "2"])
+    bench.main()
+    out = capsys.readouterr().out
+    assert "device=cpu backend=mujoco_warp num_envs=2" in out  # the exact training command is printed
+    row = json.loads(out.strip().splitlines()[-1])["rows"]["2"]
+    assert set(row) == {"env_steps_per_s", "train_env_steps_per_s", "rollout_env_steps_per_s", "updates_per_s"}
+    assert all(value > 0 for value in row.values())
