@@ -1,0 +1,567 @@
+"""`embodied-rl finetune task=lm/<name> checkpoint=DIR algo=grpo|rloo|reinforce_pp|ppo`: RL with
+a verifiable reward on token sequences, every advantage and loss from embodied_rl.core.
+
+One iteration (hyperparameters: the task config's `lm.rl` section, `RLConfig`):
+1. sample `group_size` completions (temperature, KV cache) for each of `prompts` training problems;
+   score each completion with the task's reward (1 correct, 0 otherwise);
+2. dynamic sampling (DAPO, optional): drop groups whose rewards are all equal (they carry no
+   signal) and sample new problems, up to `max_refills` more rounds;
+3. recompute the old log-probs with the current weights (so the ratio is exactly 1 at the first
+   minibatch), the frozen reference's log-probs when kl_coef > 0, and ppo's values;
+4. token rewards `[B, L]`: the score on each row's last valid token, minus kl_coef * KL per token
+   when kl_in_reward;
+5. advantages `[B, L]`:
+   grpo/rloo: `core.group_advantages(row scores, group ids)` (normalize_std=false is Dr.GRPO)
+   broadcast over the row; reinforce_pp: `core.discounted_returns` then `core.masked_whiten`;
+   ppo: `core.masked_gae` with a value model (a copy of the base LM with a linear value head)
+   then `core.masked_whiten`;
+6. `update_epochs` x `minibatches` steps of `core.policy_loss` (clip_low/clip_high, dual clip,
+   any `core.agg_loss` mode) + kl_coef * `core.kl_penalty` (as a loss) - ent_coef * entropy, and
+   `core.value_loss` for ppo.
+
+Run directory as the robot finetune: config.yaml, metrics.jsonl + tb/, checkpoints/<step>/ (the
+model and tokenizer files at the top, training_state/ for an exact resume) with checkpoints/last,
+eval_info.json of the final evaluation, report.md with the reward and accuracy curves.
+A run_dir holding checkpoints resumes (a larger lm.rl.steps continues training).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from embodied_rl import core
+from embodied_rl.core.losses import KL_KINDS
+from embodied_rl.errors import Diverged, UserError
+from embodied_rl.lm.sampling import Samples, decode_completions, encode_prompt, left_pad, sample
+
+ALGOS = ("grpo", "rloo", "reinforce_pp", "ppo")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+USED_KEYS = ("checkpoint", "seed", "device", "run_dir", "algo")
+# keys a resumed run may change: how long it runs and what it records, not what it trains
+RESUME_MAY_CHANGE = ("lm.rl.steps", "lm.rl.eval_every", "lm.rl.eval_problems", "lm.rl.checkpoint_every",
+                     "lm.rl.log_every", "run_dir")
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """configs/task/lm/<task>.yaml `lm.rl` plus the algorithm; every value checked at start."""
+
+    algo: str
+    steps: int
+    prompts: int
+    group_size: int
+    temperature: float
+    lr: float
+    critic_lr: float
+    update_epochs: int
+    minibatches: int
+    clip_low: float
+    clip_high: float
+    dual_clip: float | None
+    loss_agg: str
+    normalize_std: bool
+    kl_coef: float
+    kl_kind: str
+    kl_in_reward: bool
+    ent_coef: float
+    dynamic_sampling: bool
+    max_refills: int
+    gamma: float
+    lam: float
+    value_clip: float | None
+    max_grad_norm: float
+    log_every: int
+    eval_every: int
+    eval_problems: int
+    checkpoint_every: int
+
+    @classmethod
+    def from_cfg(cls, algo: str, rl: Any) -> RLConfig:
+        values = OmegaConf.to_container(rl, resolve=True) if OmegaConf.is_config(rl) else dict(rl)
+        names = [f.name for f in fields(RLConfig) if f.name != "algo"]
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise UserError(f"unknown key lm.rl.{unknown[0]}")
+        missing = [name for name in names if name not in values]
+        if missing:
+            raise UserError(f"lm.rl.{missing[0]} is required")
+        config = cls(algo=algo, **values)
+        config.check()
+        return config
+
+    def check(self) -> None:
+        def integer(name: str, low: int) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise UserError(f"lm.rl.{name} must be an integer >= {low}, got {value!r}")
+
+        def number(name: str, low: float, allow_none: bool = False, strict: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < low or (strict and value == low):
+                raise UserError(f"lm.rl.{name} must be a number {'>' if strict else '>='} {low}, got {value!r}")
+
+        if self.algo not in ALGOS:
+            raise UserError(f"algo={self.algo} does not apply to language tasks (choose from: {', '.join(ALGOS)})")
+        for name, low in (("steps", 1), ("prompts", 1), ("group_size", 1), ("update_epochs", 1), ("minibatches", 1),
+                          ("max_refills", 0), ("log_every", 1), ("eval_every", 0), ("eval_problems", 1),
+                          ("checkpoint_every", 0)):
+            integer(name, low)
+        for name in ("temperature", "lr", "critic_lr", "max_grad_norm"):
+            number(name, 0.0, strict=True)
+        for name in ("clip_low", "clip_high", "kl_coef", "ent_coef"):
+            number(name, 0.0)
+        number("value_clip", 0.0, allow_none=True)
+        number("dual_clip", 1.0, allow_none=True, strict=True)
+        for name in ("gamma", "lam"):
+            number(name, 0.0)
+            if getattr(self, name) > 1:
+                raise UserError(f"lm.rl.{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("normalize_std", "kl_in_reward", "dynamic_sampling"):
+            if not isinstance(getattr(self, name), bool):
+                raise UserError(f"lm.rl.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.loss_agg not in AGG_MODES:
+            raise UserError(f"lm.rl.loss_agg must be one of {', '.join(AGG_MODES)}, got {self.loss_agg!r}")
+        if self.kl_kind not in KL_KINDS:
+            raise UserError(f"lm.rl.kl_kind must be one of {', '.join(KL_KINDS)}, got {self.kl_kind!r}")
+        if self.algo in ("grpo", "rloo") and self.group_size < 2:
+            raise UserError(f"lm.rl.group_size must be >= 2 for algo={self.algo} (advantages compare a group)")
+        if self.prompts * self.group_size < self.minibatches:
+            raise UserError(f"lm.rl.minibatches={self.minibatches} is more than the {self.prompts * self.group_size} "
+                            "completions per iteration")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors of a batch of completions
+# ---------------------------------------------------------------------------------------------
+
+
+def sequence_inputs(samples: Samples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, position_ids) of prompt + completion rows."""
+    ids = torch.cat([samples.prompt_ids, samples.completion_ids], dim=1)
+    mask = torch.cat([samples.prompt_mask, samples.completion_mask], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, positions
+
+
+def completion_logprobs(model: Any, samples: Samples, with_entropy: bool = False,
+                        with_hidden: bool = False) -> dict[str, torch.Tensor]:
+    """Log-probs [B, L] of the completion tokens under `model` (and their entropies, and the
+    last hidden states at the positions that predict them)."""
+    ids, mask, positions = sequence_inputs(samples)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=with_hidden)
+    prompt_len, length = samples.prompt_ids.shape[1], samples.completion_ids.shape[1]
+    logits = out.logits[:, prompt_len - 1:prompt_len - 1 + length].float()  # position t predicts token t+1
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, samples.completion_ids[..., None]).squeeze(-1)
+    result = {"logp": logp}
+    if with_entropy:
+        result["entropy"] = core.entropy_from_logits(logits)
+    if with_hidden:
+        result["hidden"] = out.hidden_states[-1][:, prompt_len - 1:prompt_len - 1 + length].float()
+    return result
+
+
+class ValueModel(torch.nn.Module):
+    """PPO's critic: a copy of the base LM whose last hidden state feeds a linear value head."""
+
+    def __init__(self, lm: Any):
+        super().__init__()
+        self.lm = copy.deepcopy(lm)
+        self.head = torch.nn.Linear(self.lm.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, samples: Samples) -> torch.Tensor:
+        hidden = completion_logprobs(self.lm, samples, with_hidden=True)["hidden"]
+        return self.head(hidden).squeeze(-1)
+
+
+def select(samples: Samples, rows: torch.Tensor) -> Samples:
+    return Samples(samples.prompt_ids[rows], samples.prompt_mask[rows], samples.completion_ids[rows],
+                   samples.completion_mask[rows])
+
+
+def concat(parts: list[Samples], pad_id: int) -> Samples:
+    """One batch of several sampling rounds (prompts re-left-padded, completions right-padded)."""
+    prompt_width = max(p.prompt_ids.shape[1] for p in parts)
+    width = max(p.completion_ids.shape[1] for p in parts)
+
+    def pad(tensor: torch.Tensor, to: int, value: int, left: bool) -> torch.Tensor:
+        extra = to - tensor.shape[1]
+        padding = (extra, 0) if left else (0, extra)
+        return torch.nn.functional.pad(tensor, padding, value=value)
+
+    return Samples(
+        torch.cat([pad(p.prompt_ids, prompt_width, pad_id, True) for p in parts]),
+        torch.cat([pad(p.prompt_mask, prompt_width, 0, True) for p in parts]),
+        torch.cat([pad(p.completion_ids, width, pad_id, False) for p in parts]),
+        torch.cat([pad(p.completion_mask, width, 0, False) for p in parts]),
+    )
+
+
+def last_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, L] zeros with each row's score on its last valid token (an outcome reward)."""
+    rewards = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
+    last = (mask.sum(1) - 1).clamp(min=0).long()
+    rewards[torch.arange(mask.shape[0], device=mask.device), last] = scores
+    return rewards
+
+
+def informative_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[num_groups] bool: the groups (consecutive rows) whose scores are not all equal."""
+    per_group = scores.view(-1, group_size)
+    return (per_group.max(1).values - per_group.min(1).values) > 1e-6
+
+
+def compute_advantages(config: RLConfig, token_rewards: torch.Tensor, mask: torch.Tensor,
+                       group_ids: torch.Tensor, values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(advantages [B, L] zero outside the mask, returns [B, L] for ppo's value loss or None)."""
+    valid = mask.to(token_rewards.dtype)
+    if config.algo in ("grpo", "rloo"):
+        scores = (token_rewards * valid).sum(1)
+        advantages = core.group_advantages(scores, group_ids, method=config.algo, normalize_std=config.normalize_std)
+        return advantages[:, None] * valid, None
+    if config.algo == "reinforce_pp":
+        returns = core.discounted_returns(token_rewards, mask, config.gamma)
+        return core.masked_whiten(returns, mask) * valid, None
+    advantages, returns = core.masked_gae(token_rewards, values, mask, config.gamma, config.lam)
+    return core.masked_whiten(advantages, mask) * valid, returns
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------
+
+
+def validate(cfg: DictConfig) -> RLConfig:
+    from embodied_rl.commands import check_device
+    from embodied_rl.lm import refuse_robot_keys
+
+    refuse_robot_keys(cfg, "finetune", USED_KEYS)
+    config = RLConfig.from_cfg(str(cfg.algo.name), cfg.lm.rl)
+    refuse_algo_keys(cfg)
+    if cfg.get("checkpoint") in (None, ""):
+        raise UserError("checkpoint=DIR is required (a language model checkpoint or a pretrain run directory)")
+    for key, low in (("seed", 0), ("task.max_new_tokens", 1), ("lm.batch_size", 1), ("lm.show", 0)):
+        value = OmegaConf.select(cfg, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise UserError(f"{key} must be an integer >= {low}, got {value!r}")
+    check_device(cfg.device)
+    return config
+
+
+def refuse_algo_keys(cfg: DictConfig) -> None:
+    """The language algorithms read lm.rl; an algo.* key changed on the command line (the
+    robot algorithm's settings) cannot be honoured."""
+    from embodied_rl.cli import compose
+
+    reference = compose("finetune", [f"task={cfg.task.name}", f"algo={cfg.algo.name}"]).algo
+    for key, value in cfg.algo.items():
+        if key != "name" and reference.get(key) != value:
+            raise UserError(f"algo.{key} does not apply to language tasks; set lm.rl.* instead")
+
+
+def check_previous_run(cfg: DictConfig) -> None:
+    """A non-empty run_dir must hold an earlier finetune run with the same settings except
+    RESUME_MAY_CHANGE."""
+    from embodied_rl.commands.finetune import _flat_items
+    from embodied_rl.runs import LOCK_FILE
+
+    if not cfg.get("run_dir"):
+        return
+    path = Path(str(cfg.run_dir))
+    if not path.is_dir() or not any(p.name != LOCK_FILE for p in path.iterdir()):
+        return
+    if not (path / "config.yaml").is_file():
+        raise UserError(f"run_dir '{path}' holds files but no finetune run; choose a new run_dir (nothing was overwritten)")
+    before, now = _flat_items(OmegaConf.load(path / "config.yaml")), _flat_items(cfg)
+    changed = sorted(key for key in before.keys() | now.keys()
+                     if before.get(key) != now.get(key) and key not in RESUME_MAY_CHANGE)
+    if changed:
+        shown = ", ".join(f"{key}={before.get(key)} -> {now.get(key)}" for key in changed[:3])
+        raise UserError(f"run_dir '{path}' holds a run with other settings ({shown}); resume it with the same "
+                        f"settings (only {', '.join(RESUME_MAY_CHANGE[:-1])} may change) or choose a new run_dir")
+
+
+def save_checkpoint(root: Path, step: int, model: Any, tokenizer: Any, task_record: dict[str, Any],
+                    state: dict[str, Any]) -> Path:
+    """checkpoints/<step>/: the model and tokenizer files, training_state/ (optimizers, critic,
+    RNGs, stream position) and training_state/counters.json last; checkpoints/last points at it."""
+    from embodied_rl.algos.common import COUNTERS, TRAINING_STATE, rng_state, write_checkpoint
+    from embodied_rl.lm.model import save_model
+    from embodied_rl.runs import atomic_write_json
+
+    def fill(path: Path) -> None:
+        save_model(path, model, tokenizer, {**task_record, "step": step})
+        (path / TRAINING_STATE).mkdir()
+        torch.save({**state, "rng": rng_state()}, path / TRAINING_STATE / "state.pt")
+        atomic_write_json(path / TRAINING_STATE / COUNTERS, {"step": step, "problems_drawn": state["problems_drawn"]})
+
+    return write_checkpoint(root, step, fill)
+
+
+def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
+    config = validate(cfg)
+    from embodied_rl.algos.common import TRAINING_STATE, find_checkpoint, set_rng_state
+    from embodied_rl.commands import start_run
+    from embodied_rl.lm.evaluate import (
+        check_checkpoint_task,
+        evaluate_model,
+        format_overall,
+        resolve_model_dir,
+    )
+    from embodied_rl.lm.model import context_length, load_model
+    from embodied_rl.lm.sampling import check_fits
+    from embodied_rl.lm.tasks import make_task
+    from embodied_rl.runs import progress
+
+    task = make_task(cfg.task)
+    device = str(cfg.device)
+    base = resolve_model_dir(Path(str(cfg.checkpoint)).expanduser())
+    check_checkpoint_task(base, task.name)
+    model, tokenizer = load_model(base, device)
+    max_new_tokens = int(cfg.task.max_new_tokens)
+    eval_problems = task.problems("test", config.eval_problems, seed=int(cfg.seed))
+    check_fits([encode_prompt(tokenizer, p.prompt) for p in eval_problems], max_new_tokens, context_length(model))
+    torch.manual_seed(int(cfg.seed))
+    reference = None
+    if config.kl_coef > 0:  # the frozen base model
+        reference = copy.deepcopy(model).eval().requires_grad_(False)
+    critic = ValueModel(model).to(device) if config.algo == "ppo" else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, betas=(0.9, 0.99))
+    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=config.critic_lr) if critic is not None else None
+    task_record = {**OmegaConf.to_container(cfg.task, resolve=True), "base": str(base)}
+
+    check_previous_run(cfg)
+    run = start_run(cfg, "finetune", allow_existing=True)
+    step, problems_drawn = 0, 0
+    resumed_from = find_checkpoint(run.file("checkpoints"))
+    generator = torch.Generator(device=device).manual_seed(int(cfg.seed))
+    if resumed_from is not None:
+        print(f"resuming from {run.file('checkpoints', 'last')}")
+        model, _ = load_model(resumed_from, device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, betas=(0.9, 0.99))
+        state = torch.load(resumed_from / TRAINING_STATE / "state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        if critic is not None:
+            critic.load_state_dict(state["critic"])
+            critic_optimizer.load_state_dict(state["critic_optimizer"])
+        generator.set_state(state["generator"])
+        set_rng_state(state["rng"])
+        step, problems_drawn = int(state["step"]), int(state["problems_drawn"])
+    stream = task.stream("train", int(cfg.seed))
+    for _ in range(problems_drawn):  # the problems earlier iterations drew
+        next(stream)
+
+    def draw(count: int) -> list[Any]:
+        nonlocal problems_drawn
+        problems_drawn += count
+        return [next(stream) for _ in range(count)]
+
+    def evaluate(at_step: int) -> dict[str, Any]:
+        info = evaluate_model(model, tokenizer, task, eval_problems, max_new_tokens=max_new_tokens,
+                              batch_size=int(cfg.lm.batch_size), seed=int(cfg.seed), show=int(cfg.lm.show))
+        low, high = info["overall"]["pass@1_ci95"]
+        run.log(at_step, {"eval/pass@1": info["overall"]["pass@1"], "eval/pass@1_low": low, "eval/pass@1_high": high,
+                          "eval/mean_length": info["overall"]["mean_length"]})
+        return info
+
+    def checkpoint(at_step: int) -> None:
+        state = {"step": at_step, "problems_drawn": problems_drawn, "optimizer": optimizer.state_dict(),
+                 "generator": generator.get_state()}
+        if critic is not None:
+            state.update(critic=critic.state_dict(), critic_optimizer=critic_optimizer.state_dict())
+        save_checkpoint(run.file("checkpoints"), at_step, model, tokenizer, task_record, state)
+
+    before = after = None
+    start = time.perf_counter()
+    try:
+        if resumed_from is None:
+            before = evaluate(0)
+            print(f"before: {format_overall(before['overall'])}")
+        bar = progress(total=config.steps, desc=f"finetune {config.algo}")
+        bar.update(step)
+        window: list[dict[str, float]] = []
+        while step < config.steps:
+            metrics = iteration(config, model, tokenizer, task, draw, reference, critic, optimizer, critic_optimizer,
+                                generator, max_new_tokens)
+            step += 1
+            bar.update(1)
+            window.append(metrics)
+            if step % config.log_every == 0 or step == config.steps:
+                keys = {key for row in window for key in row}
+                run.log(step, {key: sum(row[key] for row in window if key in row) /
+                               sum(key in row for row in window) for key in sorted(keys)})
+                window = []
+            if step == config.steps or (config.eval_every and step % config.eval_every == 0):
+                after = evaluate(step)
+            if step == config.steps or (config.checkpoint_every and step % config.checkpoint_every == 0):
+                checkpoint(step)
+        bar.close()
+        if after is None:  # a resumed run that had already finished: evaluate what it holds
+            after = evaluate(step)
+        train_s = time.perf_counter() - start
+        run.write_json("eval_info.json", {"task": task.name, "checkpoint": str(run.file("checkpoints", "last").resolve()),
+                                          "seed": int(cfg.seed), "device": device, "step": step, **after,
+                                          "config": OmegaConf.to_container(cfg, resolve=True)})
+        write_rl_report(run, task.name, config.algo, before, after)
+    finally:
+        run.close()
+    print(f"after: {format_overall(after['overall'])}")
+    low, high = after["overall"]["pass@1_ci95"]
+    headline: dict[str, Any] = {"task": task.name, "algo": config.algo, "steps": step}
+    if before is not None:
+        b_low, b_high = before["overall"]["pass@1_ci95"]
+        headline["pass@1_before"] = before["overall"]["pass@1"]
+        headline["pass@1_before_ci95"] = f"[{100 * b_low:.1f}%, {100 * b_high:.1f}%]"
+    headline["pass@1"] = after["overall"]["pass@1"]
+    headline["pass@1_ci95"] = f"[{100 * low:.1f}%, {100 * high:.1f}%]"
+    headline["train_s"] = train_s
+    headline["checkpoint"] = str(run.file("checkpoints", "last"))
+    return headline, run.path
+
+
+def iteration(config: RLConfig, model: Any, tokenizer: Any, task: Any, draw: Any, reference: Any, critic: Any,
+              optimizer: Any, critic_optimizer: Any, generator: torch.Generator, max_new_tokens: int) -> dict[str, float]:
+    """Sample, score, compute advantages and update once; returns the iteration's metrics."""
+    start = time.perf_counter()
+    group_size = config.group_size
+    batches, scores, kept_problems = [], [], []
+    drawn_groups, kept_groups, all_scores = 0, 0, []
+    model.eval()
+    for _round in range(1 + (config.max_refills if config.dynamic_sampling else 0)):
+        wanted = config.prompts - kept_groups
+        problems = draw(wanted)
+        prompts = [encode_prompt(tokenizer, p.prompt) for p in problems for _ in range(group_size)]
+        ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+        samples = sample(model, ids, mask, max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_token_id,
+                         pad_id=tokenizer.pad_token_id, temperature=config.temperature, generator=generator)
+        texts = decode_completions(tokenizer, samples)
+        round_scores = torch.tensor([task.reward(problems[i // group_size], text) for i, text in enumerate(texts)],
+                                    dtype=torch.float32, device=samples.completion_ids.device)
+        drawn_groups += len(problems)
+        all_scores.append(round_scores)
+        keep = torch.ones(len(problems), dtype=torch.bool, device=round_scores.device)
+        if config.dynamic_sampling:
+            keep = informative_groups(round_scores, group_size)
+        rows = keep.repeat_interleave(group_size)
+        if keep.any():
+            batches.append(select(samples, rows))
+            scores.append(round_scores[rows])
+            kept_problems += [p for p, k in zip(problems, keep.tolist()) if k]
+            kept_groups += int(keep.sum())
+        if kept_groups >= config.prompts:
+            break
+    every_score = torch.cat(all_scores)
+    metrics = {"train/reward": float(every_score.mean()), "train/groups_sampled": float(drawn_groups)}
+    if not batches:  # dynamic sampling found no group with a learning signal
+        metrics["train/updated"] = 0.0
+        return metrics
+    samples = concat(batches, tokenizer.pad_token_id)
+    score = torch.cat(scores)
+    mask = samples.completion_mask.bool()
+    valid = mask.float()
+    group_ids = torch.arange(kept_groups, device=score.device).repeat_interleave(group_size)
+
+    # ---- old log-probs with the current weights, the reference's, the values ----
+    with torch.no_grad():
+        old_logp = completion_logprobs(model, samples)["logp"]
+        ref_logp = completion_logprobs(reference, samples)["logp"] if reference is not None else None
+        values = critic(samples) if critic is not None else None
+    token_rewards = last_token_rewards(score, mask)
+    if ref_logp is not None and config.kl_in_reward:
+        token_rewards = token_rewards - config.kl_coef * core.kl_penalty(old_logp, ref_logp, config.kl_kind) * valid
+    advantages, returns = compute_advantages(config, token_rewards, mask, group_ids, values)
+
+    # ---- update ----
+    model.train()
+    rows = score.shape[0]
+    minibatch = -(-rows // config.minibatches)
+    totals: dict[str, list[float]] = {}
+    first_ratio_deviation = None
+    for _epoch in range(config.update_epochs):
+        order = torch.randperm(rows, generator=generator, device=generator.device).to(score.device)
+        if config.minibatches == 1:
+            order = torch.arange(rows, device=score.device)  # one minibatch: the rows as sampled
+        for begin in range(0, rows, minibatch):
+            index = order[begin:begin + minibatch]
+            part = select(samples, index)
+            out = completion_logprobs(model, part, with_entropy=config.ent_coef > 0)
+            part_mask = mask[index]
+            if first_ratio_deviation is None:
+                ratio = torch.exp(out["logp"].detach() - old_logp[index])
+                first_ratio_deviation = float((ratio - 1).abs().masked_fill(~part_mask, 0).max())
+            loss, info = core.policy_loss(out["logp"], old_logp[index], advantages[index], part_mask,
+                                          clip_low=config.clip_low, clip_high=config.clip_high,
+                                          dual_clip=config.dual_clip, agg=config.loss_agg)
+            parts = {"pg_loss": loss.detach(), **info}
+            if ref_logp is not None and not config.kl_in_reward:
+                kl = core.agg_loss(core.kl_penalty(out["logp"], ref_logp[index], config.kl_kind), part_mask,
+                                   config.loss_agg)
+                loss = loss + config.kl_coef * kl
+                parts["kl"] = kl.detach()
+            if config.ent_coef > 0:
+                entropy = core.agg_loss(out["entropy"], part_mask, config.loss_agg)
+                loss = loss - config.ent_coef * entropy
+                parts["entropy"] = entropy.detach()
+            if not torch.isfinite(loss):
+                raise Diverged("non-finite policy loss; checkpoints/last is the last finite state")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            parts["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+            optimizer.step()
+            if critic is not None:
+                value_loss, value_info = core.value_loss(critic(part), values[index], returns[index], part_mask,
+                                                         clip=config.value_clip)
+                critic_optimizer.zero_grad(set_to_none=True)
+                value_loss.backward()
+                torch.nn.utils.clip_grad_norm_(critic.parameters(), config.max_grad_norm)
+                critic_optimizer.step()
+                parts["value_loss"] = value_loss.detach()
+                parts["value_clipfrac"] = value_info["clipfrac"]
+            for key, value in parts.items():
+                totals.setdefault(key, []).append(float(value))
+    if ref_logp is not None:
+        metrics["train/kl_to_reference"] = float(core.agg_loss(core.kl_penalty(old_logp, ref_logp, "k3"), mask,
+                                                               "token-mean"))
+    metrics.update({f"train/{key}": sum(values_) / len(values_) for key, values_ in totals.items()})
+    metrics.update({
+        "train/updated": 1.0, "train/ratio_dev_first": first_ratio_deviation,
+        "train/informative_groups": float(informative_groups(every_score, group_size).float().mean()),
+        "train/kept_groups": float(kept_groups), "train/mean_length": float(valid.sum(1).mean()),
+        "train/tokens_per_s": float(valid.sum()) / (time.perf_counter() - start),
+        "train/iteration_s": time.perf_counter() - start,
+    })
+    return metrics
+
+
+def write_rl_report(run: Any, task_name: str, algo: str, before: dict[str, Any] | None, after: dict[str, Any]) -> None:
+    from embodied_rl.eval.report import image_link, plot_curve, write_report
+    from embodied_rl.lm.evaluate import completions_markdown, format_overall
+
+    rows = run.read_metrics()
+    sections = []
+    if before is not None:
+        sections.append(("Held-out accuracy", f"- before: {format_overall(before['overall'])}\n"
+                                              f"- after: {format_overall(after['overall'])}"))
+    else:
+        sections.append(("Held-out accuracy", f"- after: {format_overall(after['overall'])}"))
+    for name, keys, title, bands in (
+        ("reward.png", ["train/reward"], "training reward (mean over completions)", None),
+        ("pass1.png", ["eval/pass@1"], "held-out pass@1", {"eval/pass@1": ("eval/pass@1_low", "eval/pass@1_high")}),
+    ):
+        try:
+            plot_curve(rows, "step", keys, run.file("plots", name), title=title, bands=bands)
+            sections.append((title.capitalize(), image_link(run.file("plots", name), run.path)))
+        except ValueError:  # nothing logged for this curve
+            pass
+    sections.append(("Sample completions", completions_markdown(after["completions"])))
+    write_report(run.path, f"RL fine-tuning ({algo}): {task_name}", sections)

@@ -1,0 +1,196 @@
+"""RL on language tasks: the ratio before the first update, the robot and language GRPO paths
+agree, and `finetune` end to end through the CLI (every algorithm, resume, eval)."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from embodied_rl import core
+from embodied_rl.cli import main
+from embodied_rl.lm.rl import (
+    RLConfig,
+    completion_logprobs,
+    compute_advantages,
+    informative_groups,
+    last_token_rewards,
+    select,
+)
+from embodied_rl.lm.sampling import encode_prompt, left_pad, sample
+
+TINY = ["task=lm/addition", "task.digits=2", "lm.model.hidden_size=32", "lm.model.num_layers=1",
+        "lm.model.num_heads=2", "lm.model.intermediate_size=64"]
+RL = ["task=lm/addition", "task.digits=2", "lm.rl.prompts=4", "lm.rl.group_size=4", "lm.rl.eval_problems=8",
+      "lm.rl.eval_every=0"]
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("lm_rl") / "sft"
+    assert main(["pretrain", *TINY, "steps=30", "batch_size=32", "lm.lr=3e-3", "log_every=10", "eval_episodes=0",
+                 f"run_dir={run_dir}"]) == 0
+    return run_dir
+
+
+def rl_config(**overrides):
+    values = dict(steps=1, prompts=2, group_size=4, temperature=1.0, lr=1e-4, critic_lr=1e-4, update_epochs=1,
+                  minibatches=1, clip_low=0.2, clip_high=0.2, dual_clip=3.0, loss_agg="token-mean",
+                  normalize_std=True, kl_coef=0.0, kl_kind="k3", kl_in_reward=False, ent_coef=0.0,
+                  dynamic_sampling=False, max_refills=0, gamma=1.0, lam=0.95, value_clip=None, max_grad_norm=1.0,
+                  log_every=1, eval_every=0, eval_problems=1, checkpoint_every=0)
+    values.update(overrides)
+    algo = values.pop("algo", "grpo")
+    return RLConfig.from_cfg(algo, values)
+
+
+def test_ratio_is_exactly_one_before_the_first_update(sft_run):
+    from embodied_rl.lm.model import load_model
+
+    model, tokenizer = load_model(sft_run / "checkpoints" / "last")
+    prompts = [encode_prompt(tokenizer, f"{a}+{a + 3}=") for a in range(12) for _ in range(4)]
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+    samples = sample(model.eval(), ids, mask, max_new_tokens=6, eos_id=tokenizer.eos_token_id,
+                     pad_id=tokenizer.pad_token_id, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        old_logp = completion_logprobs(model, samples)["logp"]
+    model.train()
+    logp = completion_logprobs(model, samples)["logp"]  # the first minibatch, gradients on
+    valid = samples.completion_mask.bool()
+    assert torch.equal(torch.exp(logp.detach() - old_logp)[valid], torch.ones(int(valid.sum())))
+    advantages = torch.randn(logp.shape[0])[:, None] * valid
+    loss, info = core.policy_loss(logp, old_logp, advantages, valid, clip_low=0.2, clip_high=0.28)
+    assert float(info["clipfrac"]) == 0 and float(info["approx_kl"]) == 0
+    assert torch.allclose(loss, -advantages[valid].mean())
+    # a minibatch of other rows sees the same log-probs up to rounding
+    rows = torch.tensor([5, 1, 30, 2])
+    part = completion_logprobs(model, select(samples, rows))["logp"].detach()
+    assert torch.allclose(part[valid[rows]], old_logp[rows][valid[rows]], atol=1e-5)
+
+
+def test_robot_and_language_grpo_paths_agree():
+    torch.manual_seed(0)
+    group_size, groups, length = 4, 3, 6
+    n = group_size * groups
+    scores = torch.tensor([1., 0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 0])  # group 1 is all equal: no signal
+    lengths = torch.randint(1, length + 1, (n,))
+    mask = torch.arange(length)[None] < lengths[:, None]  # [B, L] token rows
+    logp = -torch.rand(n, length)
+    old_logp = logp + 0.1 * torch.randn(n, length)
+
+    # The robot GRPO path (embodied_rl/algos/ppo.py): env rollouts [T, N], the episode return's
+    # group advantage on every valid step, groups with one return for all masked out, token-mean
+    # clipped loss with the symmetric clip.
+    valid = mask.T.float()
+    group_ids = torch.arange(n) // group_size
+    advantages = core.group_advantages(scores, group_ids)
+    per_group = scores.view(-1, group_size)
+    informative = ((per_group.max(dim=1).values - per_group.min(dim=1).values) > 1e-6)[group_ids]
+    valid = valid * informative.float()[None]
+    robot_advantage = advantages[None].expand_as(valid) * valid
+    robot_loss, robot_info = core.policy_loss(logp.T, old_logp.T, robot_advantage, valid, clip_low=0.2,
+                                              clip_high=0.2, dual_clip=3.0)
+
+    # The language GRPO path with dynamic sampling: the same groups kept, token rows [B, L].
+    config = rl_config(clip_low=0.2, clip_high=0.2, dynamic_sampling=True)
+    rows = informative_groups(scores, group_size).repeat_interleave(group_size)
+    kept_ids = torch.arange(int(rows.sum()) // group_size).repeat_interleave(group_size)
+    lm_advantage, _ = compute_advantages(config, last_token_rewards(scores[rows], mask[rows]), mask[rows], kept_ids)
+    lm_loss, lm_info = core.policy_loss(logp[rows], old_logp[rows], lm_advantage, mask[rows],
+                                        clip_low=config.clip_low, clip_high=config.clip_high,
+                                        dual_clip=config.dual_clip, agg=config.loss_agg)
+
+    assert torch.equal(lm_advantage, robot_advantage.T[rows])
+    assert torch.equal(lm_loss, robot_loss)
+    for key in ("clipfrac", "approx_kl"):
+        assert torch.allclose(lm_info[key], robot_info[key])
+
+
+def test_advantages_of_every_algorithm():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    scores = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    rewards = last_token_rewards(scores, mask)
+    assert rewards.tolist() == [[0, 0, 1, 0], [0, 0, 0, 0], [0, 0, 0, 1], [1, 0, 0, 0]]
+    ids = torch.tensor([0, 0, 1, 1])
+    grpo, _ = compute_advantages(rl_config(), rewards, mask, ids)
+    assert torch.allclose(grpo[0, :3], torch.full((3,), 0.5 / (0.5 ** 0.5 + 1e-6)))  # (1 - 0.5) / std 0.707
+    assert grpo[2].abs().max() == 0 and grpo[0, 3] == 0  # an all-correct group; the padding
+    dr_grpo, _ = compute_advantages(rl_config(normalize_std=False), rewards, mask, ids)
+    assert torch.allclose(dr_grpo[0, :3], torch.full((3,), 0.5))
+    rloo, _ = compute_advantages(rl_config(algo="rloo"), rewards, mask, ids)
+    assert torch.allclose(rloo[0, :3], torch.ones(3)) and torch.allclose(rloo[1, :2], -torch.ones(2))
+    reinforce, _ = compute_advantages(rl_config(algo="reinforce_pp", group_size=1), rewards, mask, ids)
+    expected = core.masked_whiten(core.discounted_returns(rewards, mask, 1.0), mask) * mask
+    assert torch.equal(reinforce, expected)
+    values = torch.rand(4, 4)
+    ppo, returns = compute_advantages(rl_config(algo="ppo"), rewards, mask, ids, values)
+    gae, gae_returns = core.masked_gae(rewards, values, mask, 1.0, 0.95)
+    assert torch.equal(ppo, core.masked_whiten(gae, mask) * mask) and torch.equal(returns, gae_returns)
+
+
+def test_finetune_resumes_exactly_and_evaluates(sft_run, tmp_path, capsys):
+    args = ["finetune", *RL, f"checkpoint={sft_run}", "algo=grpo", "lm.rl.checkpoint_every=1",
+            "lm.rl.ent_coef=0.01"]  # the entropy bonus makes every step change the weights
+    assert main([*args, "lm.rl.steps=4", f"run_dir={tmp_path / 'straight'}"]) == 0
+    assert main([*args, "lm.rl.steps=2", f"run_dir={tmp_path / 'resumed'}"]) == 0
+    assert main([*args, "lm.rl.steps=4", f"run_dir={tmp_path / 'resumed'}"]) == 0
+    out = capsys.readouterr().out
+    assert "resuming from" in out and "pass@1_before:" in out
+    straight = load_file(tmp_path / "straight" / "checkpoints" / "last" / "model.safetensors")
+    resumed = load_file(tmp_path / "resumed" / "checkpoints" / "last" / "model.safetensors")
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    base = load_file(sft_run / "checkpoints" / "last" / "model.safetensors")
+    assert any(not torch.equal(base[k], straight[k]) for k in base)  # it trained
+    rows = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    train = [row for row in rows if "train/reward" in row]
+    assert [row["step"] for row in train] == [1, 2, 3, 4]
+    assert all(row["train/ratio_dev_first"] == 0 and row["train/approx_kl"] == 0 for row in train)
+    last = tmp_path / "resumed" / "checkpoints" / "last"
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "lm_task.json"):
+        assert (last / name).is_file(), name
+    assert "RL fine-tuning (grpo)" in (tmp_path / "resumed" / "report.md").read_text()
+    assert main(["eval", "task=lm/addition", "task.digits=2", f"checkpoint={tmp_path / 'resumed'}",
+                 "lm.problems=8", f"run_dir={tmp_path / 'eval'}"]) == 0
+    assert json.loads((tmp_path / "eval" / "eval_info.json").read_text())["overall"]["n_problems"] == 8
+    # another setting in the same run_dir is refused, nothing overwritten
+    assert main([*args, "lm.rl.steps=5", "lm.rl.lr=1e-3", f"run_dir={tmp_path / 'resumed'}"]) == 2
+    assert "holds a run with other settings" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [
+    ["algo=rloo", "lm.rl.loss_agg=seq-mean-token-sum", "lm.rl.update_epochs=2", "lm.rl.minibatches=2"],
+    ["algo=reinforce_pp", "lm.rl.kl_coef=0.1", "lm.rl.kl_in_reward=true", "lm.rl.kl_kind=k1"],
+    ["algo=ppo", "lm.rl.loss_agg=seq-mean-token-mean", "lm.rl.value_clip=0.2", "lm.rl.gamma=0.99"],
+    ["algo=grpo", "lm.rl.normalize_std=false", "lm.rl.loss_agg=seq-mean-token-sum-norm", "lm.rl.kl_coef=0.1",
+     "lm.rl.dynamic_sampling=true", "lm.rl.max_refills=2", "lm.rl.ent_coef=0.01", "lm.rl.clip_high=0.28"],
+])
+def test_every_algorithm_runs(sft_run, tmp_path, extra):
+    assert main(["finetune", *RL, f"checkpoint={sft_run}", "lm.rl.steps=2", *extra, f"run_dir={tmp_path}"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [row for row in rows if "train/reward" in row]
+    assert len(train) == 2
+    if "algo=ppo" in extra:
+        assert all("train/value_loss" in row for row in train)
+    if "lm.rl.kl_coef=0.1" in extra:
+        assert all("train/kl_to_reference" in row for row in train if row["train/updated"])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["algo=residual_ppo"], "algo=residual_ppo does not apply to language tasks"),
+    (["algo=grpo", "algo.group_size=4"], "algo.group_size does not apply to language tasks"),
+    (["algo=grpo", "env_steps=5"], "env_steps= does not apply to language tasks"),
+    (["algo=rloo", "lm.rl.group_size=1"], "lm.rl.group_size must be >= 2"),
+    (["algo=grpo", "lm.rl.loss_agg=mean"], "lm.rl.loss_agg must be one of"),
+    (["algo=grpo", "lm.rl.kl_kind=k9"], "lm.rl.kl_kind must be one of"),
+    (["algo=grpo", "lm.rl.dual_clip=1.0"], "lm.rl.dual_clip must be a number > 1"),
+])
+def test_finetune_bad_input(sft_run, tmp_path, capsys, extra, message):
+    assert main(["finetune", *RL, f"checkpoint={sft_run}", *extra, f"run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_robot_finetune_refuses_language_algorithms(tmp_path, capsys):
+    assert main(["finetune", "task=reach", "algo=rloo", "checkpoint=/x", f"run_dir={tmp_path / 'run'}"]) == 2
+    assert "unknown algo 'rloo'" in capsys.readouterr().err
