@@ -12,8 +12,11 @@ Sensors are computed at the start of mj_step, so after a plain mj_step `sensorda
 state before the last integration. Each control step therefore runs
 `mj_step2, mj_step x (substeps - 1), mj_step1`: the same physics as `substeps` mj_steps, with
 position and velocity sensors (and kinematics, for rendering) of the state actually reached.
-MuJoCo cannot split an RK4 step (mj_step2 falls back to Euler), so RK4 models (hopper) run
-`mj_step x substeps, mj_step1` instead: one extra position/velocity pass per control step.
+MuJoCo cannot split an RK4 step (mj_step2 falls back to Euler), so RK4 models run
+`mj_step x substeps, mj_step1` instead: one extra position/velocity pass per control step, for
+the sensors. An RK4 model without sensors (hopper: the task reads qpos and qvel only) skips that
+pass (every RK4 mj_step starts with a full mj_forward, so the physics is the same), and rendering
+runs mj_fwdPosition on the frames it draws instead.
 
 Instability: on a bad qpos/qvel/qacc MuJoCo resets the data itself, which puts `time` back to 0,
 so an env whose clock did not advance by `substeps` timesteps is reported unstable (one numpy
@@ -105,11 +108,15 @@ class MujocoCpuEnv(SimBatchedEnv):
                 data,
                 data.ctrl,
                 self._ctrl[i],
-                ((data.qpos, self._qpos[i]), (data.qvel, self._qvel[i]), (data.sensordata, self._sensordata[i])),
+                tuple(pair for pair in ((data.qpos, self._qpos[i]), (data.qvel, self._qvel[i]),
+                                        (data.sensordata, self._sensordata[i])) if pair[0].size),  # no empty copies
             )
             for i, data in enumerate(self.datas)
         ]
         self.substeps = int(task.control_substeps)
+        rk4 = model.opt.integrator == mujoco.mjtIntegrator.mjINT_RK4
+        # see the module docstring: the closing mj_step1 only refreshes sensors (and kinematics)
+        self._closing_step1 = not rk4 or model.nsensordata > 0
         self.threads = default_threads(n) if threads is None else max(1, min(int(threads), n))
         self._pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
         self._renderer: BatchRenderer | None = None  # made on first use
@@ -153,6 +160,7 @@ class MujocoCpuEnv(SimBatchedEnv):
         mujoco, model, substeps = self._mujoco, self.model, self.substeps
         step1, step2, times = mujoco.mj_step1, mujoco.mj_step2, self._time
         split = model.opt.integrator != mujoco.mjtIntegrator.mjINT_RK4
+        closing_step1 = self._closing_step1
         for i in env_ids:
             data, data_ctrl, ctrl, copies = self._env_views[i]
             data_ctrl[:] = ctrl
@@ -162,7 +170,8 @@ class MujocoCpuEnv(SimBatchedEnv):
                     mujoco.mj_step(model, data, substeps - 1)
             else:
                 mujoco.mj_step(model, data, substeps)
-            step1(model, data)
+            if closing_step1:
+                step1(model, data)
             for source, destination in copies:
                 destination[:] = source
             times[i] = data.time
@@ -229,6 +238,9 @@ class MujocoCpuEnv(SimBatchedEnv):
         if self._renderer is None:
             self._renderer = BatchRenderer(self.model, self.task.camera)
         ids = env_ids.tolist()
+        if not self._closing_step1:  # the kinematics of the state reached (see the module docstring)
+            for i in ids:
+                self._mujoco.mj_fwdPosition(self.model, self.datas[i])
         return torch.from_numpy(self._renderer.render((self.datas[i] for i in ids), len(ids), size))
 
     def close(self) -> None:
