@@ -85,12 +85,13 @@ def load_checkpoint(path: Path, device: str = "cpu") -> Any:
 
 
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
-    from embodied_rl.lm import is_lm_task
+    from embodied_rl.lm import is_lm_task, refuse_lm_checkpoint
 
     if is_lm_task(cfg):  # task=lm/<name>: a language model (embodied_rl/lm)
         from embodied_rl.lm import evaluate
 
         return evaluate.main(cfg)
+    refuse_lm_checkpoint(cfg)
     from embodied_rl.actors import AGENT_FILE, BASE_POLICY, load_agent, resolve_checkpoint
 
     checkpoint = resolve_checkpoint(validate(cfg))  # a run directory stands for its checkpoints/last

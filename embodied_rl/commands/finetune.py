@@ -106,12 +106,13 @@ def check_previous_run(cfg: DictConfig) -> None:
 
 
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
-    from embodied_rl.lm import is_lm_task
+    from embodied_rl.lm import is_lm_task, refuse_lm_checkpoint
 
     if is_lm_task(cfg):  # task=lm/<name>: RL on a language model (embodied_rl/lm)
         from embodied_rl.lm import rl
 
         return rl.main(cfg)
+    refuse_lm_checkpoint(cfg)
     checkpoint = validate(cfg)
     policy = load_base_policy(checkpoint, str(cfg.device))
     from embodied_rl.commands import checkpoint_task, start_run

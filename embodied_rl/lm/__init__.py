@@ -42,3 +42,21 @@ def refuse_robot_keys(cfg: Any, command: str, used: tuple[str, ...]) -> None:
             continue
         if cfg[key] != defaults[key]:
             raise UserError(f"{key}= does not apply to language tasks ({cfg.task.name})")
+
+
+def refuse_lm_checkpoint(cfg: Any) -> None:
+    """A language model checkpoint given to a robot command (task= missing or not lm/<name>):
+    one line that names the task to pass."""
+    from pathlib import Path
+
+    from embodied_rl.lm.model import recorded_task
+
+    checkpoint = cfg.get("checkpoint")
+    if checkpoint in (None, ""):
+        return
+    path = Path(str(checkpoint)).expanduser()
+    for candidate in (path, path / "checkpoints" / "last"):
+        task = recorded_task(candidate)
+        if task is not None:
+            raise UserError(f"checkpoint '{path}' is a language model trained on {task.get('name')}; "
+                            f"pass task={task.get('name')}")

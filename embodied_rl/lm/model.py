@@ -71,6 +71,7 @@ def load_model(path: str | Path, device: str = "cpu") -> tuple[Any, Any]:
     """(model, tokenizer) from a local checkpoint directory; a missing piece is a UserError."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    quiet_transformers()
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"model directory '{path}' does not exist")
@@ -95,6 +96,7 @@ def load_model(path: str | Path, device: str = "cpu") -> tuple[Any, Any]:
 
 def save_model(path: str | Path, model: Any, tokenizer: Any, task: dict[str, Any]) -> None:
     """config.json, model.safetensors, the tokenizer files and lm_task.json into `path`."""
+    quiet_transformers()
     path = Path(path)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
@@ -108,6 +110,13 @@ def recorded_task(path: str | Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None
+
+
+def quiet_transformers() -> None:
+    """No per-file progress bars from transformers (a checkpoint is written every few steps)."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
 
 
 def parameter_count(model: Any) -> int:

@@ -84,3 +84,10 @@ def test_eval_refuses_a_model_without_weights_or_tokenizer(pretrained, tmp_path,
     assert main(["eval", "task=lm/addition", f"checkpoint={broken}", f"run_dir={tmp_path / 'r'}"]) == 2
     assert "has no weights" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_robot_commands_name_the_task_of_a_language_checkpoint(pretrained, tmp_path, capsys):
+    for args in (["eval"], ["finetune", "task=reach"]):
+        assert main([*args, f"checkpoint={pretrained}", f"run_dir={tmp_path / 'r'}"]) == 2
+        assert "is a language model trained on lm/addition; pass task=lm/addition" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
