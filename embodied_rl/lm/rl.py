@@ -152,14 +152,15 @@ def sequence_inputs(samples: Samples) -> tuple[torch.Tensor, torch.Tensor, torch
     return ids, mask, positions
 
 
-def completion_logprobs(model: Any, samples: Samples, with_entropy: bool = False,
-                        with_hidden: bool = False) -> dict[str, torch.Tensor]:
-    """Log-probs [B, L] of the completion tokens under `model` (and their entropies, and the
-    last hidden states at the positions that predict them)."""
+def completion_logprobs(model: Any, samples: Samples, with_entropy: bool = False, with_hidden: bool = False,
+                        temperature: float = 1.0) -> dict[str, torch.Tensor]:
+    """Log-probs [B, L] of the completion tokens under `model` with its logits divided by the
+    sampling temperature, so that they are the sampling policy's (as verl); and their
+    entropies, and the last hidden states at the positions that predict them."""
     ids, mask, positions = sequence_inputs(samples)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=with_hidden)
     prompt_len, length = samples.prompt_ids.shape[1], samples.completion_ids.shape[1]
-    logits = out.logits[:, prompt_len - 1:prompt_len - 1 + length].float()  # position t predicts token t+1
+    logits = out.logits[:, prompt_len - 1:prompt_len - 1 + length].float() / temperature  # t predicts t+1
     logp = torch.log_softmax(logits, dim=-1).gather(-1, samples.completion_ids[..., None]).squeeze(-1)
     result = {"logp": logp}
     if with_entropy:
@@ -473,8 +474,9 @@ def iteration(config: RLConfig, model: Any, tokenizer: Any, task: Any, draw: Any
 
     # ---- old log-probs with the current weights, the reference's, the values ----
     with torch.no_grad():
-        old_logp = completion_logprobs(model, samples)["logp"]
-        ref_logp = completion_logprobs(reference, samples)["logp"] if reference is not None else None
+        old_logp = completion_logprobs(model, samples, temperature=config.temperature)["logp"]
+        ref_logp = (completion_logprobs(reference, samples, temperature=config.temperature)["logp"]
+                    if reference is not None else None)
         values = critic(samples) if critic is not None else None
     token_rewards = last_token_rewards(score, mask)
     if ref_logp is not None and config.kl_in_reward:
@@ -494,7 +496,7 @@ def iteration(config: RLConfig, model: Any, tokenizer: Any, task: Any, draw: Any
         for begin in range(0, rows, minibatch):
             index = order[begin:begin + minibatch]
             part = select(samples, index)
-            out = completion_logprobs(model, part, with_entropy=config.ent_coef > 0)
+            out = completion_logprobs(model, part, with_entropy=config.ent_coef > 0, temperature=config.temperature)
             part_mask = mask[index]
             if first_ratio_deviation is None:
                 ratio = torch.exp(out["logp"].detach() - old_logp[index])

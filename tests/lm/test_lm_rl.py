@@ -162,13 +162,16 @@ def test_finetune_resumes_exactly_and_evaluates(sft_run, tmp_path, capsys):
     ["algo=reinforce_pp", "lm.rl.kl_coef=0.1", "lm.rl.kl_in_reward=true", "lm.rl.kl_kind=k1"],
     ["algo=ppo", "lm.rl.loss_agg=seq-mean-token-mean", "lm.rl.value_clip=0.2", "lm.rl.gamma=0.99"],
     ["algo=grpo", "lm.rl.normalize_std=false", "lm.rl.loss_agg=seq-mean-token-sum-norm", "lm.rl.kl_coef=0.1",
-     "lm.rl.dynamic_sampling=true", "lm.rl.max_refills=2", "lm.rl.ent_coef=0.01", "lm.rl.clip_high=0.28"],
+     "lm.rl.dynamic_sampling=true", "lm.rl.max_refills=2", "lm.rl.ent_coef=0.01", "lm.rl.clip_high=0.28",
+     "lm.rl.temperature=0.7"],
 ])
 def test_every_algorithm_runs(sft_run, tmp_path, extra):
     assert main(["finetune", *RL, f"checkpoint={sft_run}", "lm.rl.steps=2", *extra, f"run_dir={tmp_path}"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [row for row in rows if "train/reward" in row]
     assert len(train) == 2
+    if "lm.rl.minibatches=2" not in extra:  # one minibatch: the old log-probs are the first forward pass's
+        assert all(row["train/ratio_dev_first"] == 0 for row in train if row["train/updated"])
     if "algo=ppo" in extra:
         assert all("train/value_loss" in row for row in train)
     if "lm.rl.kl_coef=0.1" in extra:
