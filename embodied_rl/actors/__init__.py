@@ -40,6 +40,7 @@ AGENTS: dict[str, str] = {
     "residual_offpolicy": "embodied_rl.actors.residual_offpolicy:build_residual_agent",
     "dsrl": "embodied_rl.actors.latent_noise:build_noise_agent",
     "recap": "embodied_rl.actors.recap:build_recap_agent",
+    "qc_fql": "embodied_rl.actors.qc_fql:build_one_step_agent",
 }
 
 

@@ -182,6 +182,7 @@ RESUME_CASES = [
     case("dsrl_na", "flow", *DSRL),
     case("recap", "flow", "algo.rollout_steps=8", "algo.policy_updates=2", "algo.value_updates=2",
          "algo.batch_size=16"),
+    case("qc_fql", "flow", "algo.offline_updates=3", "algo.batch_size=16", "algo.hidden_sizes=[16,16]"),
 ]
 
 

@@ -1,0 +1,381 @@
+"""QC-FQL: Q-chunking with flow Q-learning (Li, Zhou and Levine 2025; FQL: Park, Li and Levine 2025).
+
+The MDP step is the executed action chunk a_{t:t+h} (h = n_action_steps of the base policy):
+- a critic over whole chunks, an ensemble of LayerNorm MLPs Q_e(s, a_{t:t+h}) on the base
+  policy's conditioning (its encoding of the obs history), trained on chunk-level n-step
+  backups: y = R_t + discount * min_pair Qbar(s_{t+h}, mu(s_{t+h}, z')), with R_t the chunk's
+  rewards and discount = gamma ** steps (0 when the episode terminated inside the chunk);
+- a one-step policy mu(s, z) (actors/qc_fql.py) trained with
+      L = -Q(s, mu(s, z)) / mean|Q| + alpha * || mu(s, z) - flow(s, z) ||^2,
+  the Q term normalised by its batch magnitude (FQL's normalize_q_loss) and flow(s, z) the frozen
+  base flow policy's chunk from the same noise z (the distillation term keeps mu near the BC
+  policy's support; alpha sets how near);
+- offline pre-training: `offline_updates` gradient steps on the demo dataset's chunk transitions
+  before the first env step (step 0's evaluation shows the result); then online fine-tuning,
+  collecting chunks with mu and z ~ N(0, I), each batch `demo_fraction` demos and the rest online
+  data, `utd_ratio` gradient steps per collected chunk transition.
+
+Rewards (algo.reward, auto = the task's success where it has one): a chunk's reward is the sum of
+its steps' rewards (envs.step_chunk); with the success reward a time limit is a failure (no
+bootstrap); a dense reward bootstraps a truncated chunk from a history of the final observation
+repeated (the steps before it belong to the finished episode's chunk).
+Demo transitions start at every step t of an episode whose next h actions are in the episode
+(a successful episode's last chunks end at its terminal step, padded with its last action).
+
+`finetune(cfg, run, env, policy)` is `embodied-rl finetune algo=qc_fql`; configs/algo/qc_fql.yaml.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from torch import Tensor, nn
+
+from embodied_rl.actors import save_agent
+from embodied_rl.actors.base import HistoryEnv, layer_norm_mlp
+from embodied_rl.actors.qc_fql import AGENT_KIND, OneStepAgent, OneStepPolicy, one_step_config
+from embodied_rl.algos.common import FinetuneLoop, env_snapshot, reward_settings, training_reward
+from embodied_rl.algos.sac import dataset_obs, find_demo_path, random_pair_min
+from embodied_rl.envs.api import step_chunk
+from embodied_rl.errors import UserError
+from embodied_rl.policies.runner import ObsHistory, executed_actions, map_obs
+
+
+@dataclass(frozen=True)
+class QCFQLConfig:
+    """configs/algo/qc_fql.yaml (the one home of its defaults)."""
+
+    name: str
+    hidden_sizes: list[int]
+    ensemble: int
+    gamma: float
+    tau: float
+    actor_lr: float
+    critic_lr: float
+    alpha: float
+    batch_size: int
+    buffer_size: int
+    utd_ratio: float
+    demo_fraction: float
+    offline_updates: int
+    reward: str
+    bootstrap_truncation: Any
+    data: str | None
+
+    @classmethod
+    def from_cfg(cls, algo: Any) -> QCFQLConfig:
+        config = cls(**OmegaConf.to_container(algo, resolve=True))
+        checks = [
+            ("ensemble", config.ensemble >= 1, ">= 1"),
+            ("gamma", 0.0 <= config.gamma <= 1.0, "in [0, 1]"),
+            ("tau", 0.0 < config.tau <= 1.0, "in (0, 1]"),
+            ("actor_lr", config.actor_lr > 0, "> 0"),
+            ("critic_lr", config.critic_lr > 0, "> 0"),
+            ("alpha", config.alpha >= 0, ">= 0"),
+            ("batch_size", config.batch_size >= 2, ">= 2"),
+            ("buffer_size", config.buffer_size >= 1, ">= 1"),
+            ("utd_ratio", config.utd_ratio > 0, "> 0"),
+            ("demo_fraction", 0.0 <= config.demo_fraction <= 1.0, "in [0, 1]"),
+            ("offline_updates", config.offline_updates >= 0, ">= 0"),
+        ]
+        for key, ok, expected in checks:
+            if not ok:
+                raise UserError(f"algo.{key} must be {expected}, got {getattr(config, key)}")
+        return config
+
+
+def validate_config(cfg: Any) -> None:
+    """Called by `embodied-rl finetune` before any work."""
+    QCFQLConfig.from_cfg(cfg.algo)
+    reward_settings(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# The chunk critic and the replay of chunk transitions
+# --------------------------------------------------------------------------------------------
+
+
+class ChunkCritic(nn.Module):
+    """E LayerNorm critics Q(cond, executed chunk) -> [E, B]."""
+
+    def __init__(self, cond_dim: int, chunk_dim: int, hidden_sizes: list[int], ensemble: int):
+        super().__init__()
+        self.critics = nn.ModuleList(layer_norm_mlp(cond_dim + chunk_dim, 1, hidden_sizes) for _ in range(ensemble))
+
+    def forward(self, cond: Tensor, chunk: Tensor) -> Tensor:
+        x = torch.cat([cond, chunk.flatten(1)], dim=-1)
+        return torch.stack([q(x).squeeze(-1) for q in self.critics])
+
+
+FIELDS = ("cond", "chunk", "reward", "discount", "next_cond")
+
+
+class ChunkReplay:
+    """A circular buffer of chunk transitions (cond, executed chunk, reward, discount, next cond)."""
+
+    def __init__(self, capacity: int, cond_dim: int, chunk_shape: tuple[int, int], device: torch.device):
+        shapes = {"cond": (cond_dim,), "chunk": chunk_shape, "reward": (), "discount": (), "next_cond": (cond_dim,)}
+        self.data = {k: torch.zeros((int(capacity), *s), device=device) for k, s in shapes.items()}
+        self.capacity, self.size, self.pos = int(capacity), 0, 0
+
+    def add(self, batch: dict[str, Tensor]) -> None:
+        idx = (self.pos + torch.arange(len(batch["cond"]))) % self.capacity
+        for key in FIELDS:
+            self.data[key][idx.to(self.data[key].device)] = batch[key].to(self.data[key])
+        self.pos = (self.pos + len(idx)) % self.capacity
+        self.size = min(self.size + len(idx), self.capacity)
+
+    def sample(self, n: int, generator: torch.Generator) -> dict[str, Tensor]:
+        idx = torch.randint(0, self.size, (n,), generator=generator)
+        return {k: v[idx.to(v.device)] for k, v in self.data.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"data": {k: v[: self.size].cpu() for k, v in self.data.items()},
+                "pos": torch.tensor(self.pos), "size": torch.tensor(self.size)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        size = int(state["size"])
+        if size > self.capacity:
+            raise UserError(f"the saved replay buffer holds {size} transitions, more than algo.buffer_size={self.capacity}")
+        for key, value in state["data"].items():
+            self.data[key][:size] = value.to(self.data[key])
+        self.pos, self.size = int(state["pos"]) % self.capacity, size
+
+
+@torch.no_grad()
+def demo_chunk_transitions(dataset: Any, policy: Any, gamma: float, success_terminates: bool, sparse: bool,
+                           device: torch.device) -> dict[str, Tensor]:
+    """Chunk transitions of a demo dataset (see the module docstring), with the chunk in the
+    policy's normalised action space and the obs histories encoded by the frozen policy."""
+    obs_all = dataset_obs(dataset, policy)
+    actions = torch.as_tensor(np.asarray(dataset.action), dtype=torch.float32)
+    rewards = torch.as_tensor(np.asarray(dataset.reward), dtype=torch.float32)
+    successes = np.asarray(dataset.episode_success, dtype=bool)
+    to, h = int(policy.n_obs_steps), int(policy.n_action_steps)
+    out: dict[str, list[Tensor]] = {k: [] for k in FIELDS}
+    for episode in range(dataset.num_episodes):
+        start, end = dataset.episode_bounds(episode)
+        length = end - start
+        terminal = bool(successes[episode]) and success_terminates
+        reward = torch.zeros(length) if sparse else rewards[start:end]
+        if sparse and bool(successes[episode]):
+            reward[-1] = 1.0
+        # a chunk may run past the end only where the episode ended in a terminal state
+        starts = torch.arange(length if terminal else length - h)
+        if len(starts) == 0:
+            continue
+        steps = starts[:, None] + torch.arange(h)[None]                      # [n, h]
+        inside = steps < length
+        clipped = steps.clamp(max=length - 1)
+        chunk = actions[start:end][clipped]                                  # the last action pads
+        chunk_reward = (reward[clipped] * inside).sum(1)
+        ended = ~inside.all(1) | (terminal & (steps[:, -1] == length - 1))
+        discount = torch.where(ended, torch.zeros(len(starts)), torch.full((len(starts),), gamma ** h))
+
+        def history(at: Tensor, first: int = start) -> Any:  # the obs histories ending at steps `at`
+            rows = (at[:, None] - torch.arange(to - 1, -1, -1)[None]).clamp(min=0) + first
+            return map_obs(lambda o: o[rows].to(policy.device), obs_all)
+
+        out["cond"].append(policy.encode_obs(history(starts)).to(device))
+        out["next_cond"].append(policy.encode_obs(history((starts + h).clamp(max=length - 1))).to(device))
+        out["chunk"].append(policy.normalize_action(chunk.to(policy.device)).clamp(-1, 1).to(device))
+        out["reward"].append(chunk_reward.to(device))
+        out["discount"].append(discount.to(device))
+    if not out["cond"]:
+        raise UserError(f"the demo dataset has no episode longer than a chunk ({h} steps)")
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# The learner
+# --------------------------------------------------------------------------------------------
+
+
+class QCFQL:
+    """The one-step policy, the chunk critic, their targets and optimisers, and one update."""
+
+    def __init__(self, algo: QCFQLConfig, policy: Any, device: torch.device, seed: int):
+        self.algo, self.policy = algo, policy
+        self.config = one_step_config(policy, algo.hidden_sizes)
+        self.actor = OneStepPolicy(**self.config).to(device)
+        chunk_dim = int(policy.n_action_steps) * int(policy.action_dim)
+        self.critic = ChunkCritic(policy.cond_dim, chunk_dim, algo.hidden_sizes, algo.ensemble).to(device)
+        self.critic_target = ChunkCritic(policy.cond_dim, chunk_dim, algo.hidden_sizes, algo.ensemble).to(device)
+        self.critic_target.load_state_dict(self.critic.state_dict())
+        self.critic_target.requires_grad_(False)
+        self.actor_optimizer = torch.optim.Adam(self.actor.parameters(), lr=algo.actor_lr)
+        self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=algo.critic_lr)
+        self.generator = torch.Generator().manual_seed(seed)  # z of the updates and the critic pairs
+
+    def optimizers(self) -> dict[str, Any]:
+        return {"actor": self.actor_optimizer, "critic": self.critic_optimizer}
+
+    def noise(self, n: int) -> Tensor:
+        return torch.randn((n, *self.policy.noise_shape), generator=self.generator).to(self.policy.device)
+
+    def executed(self, chunk: Tensor) -> Tensor:
+        return executed_actions(self.policy, chunk)
+
+    def update(self, batch: dict[str, Tensor]) -> dict[str, float]:
+        algo, policy = self.algo, self.policy
+        n = len(batch["cond"])
+        with torch.no_grad():
+            next_chunk = self.executed(self.actor(batch["next_cond"], self.noise(n)))
+            next_q = random_pair_min(self.critic_target(batch["next_cond"], next_chunk), self.generator)
+            target = batch["reward"] + batch["discount"] * next_q
+        q = self.critic(batch["cond"], batch["chunk"])
+        critic_loss = ((q - target[None]) ** 2).mean(1).sum()
+        self.critic_optimizer.zero_grad()
+        critic_loss.backward()
+        self.critic_optimizer.step()
+
+        z = self.noise(n)
+        with torch.no_grad():  # the frozen flow policy's chunk from the same noise
+            flow_chunk = policy.sample(batch["cond"], z).clamp(-1, 1)
+        chunk = self.actor(batch["cond"], z)
+        distill = (chunk - flow_chunk).pow(2).mean()  # over every chunk element, as FQL
+        self.critic.requires_grad_(False)  # the actor loss needs dQ/da only
+        q_pi = self.critic(batch["cond"], self.executed(chunk)).mean(0)
+        self.critic.requires_grad_(True)
+        q_loss = -q_pi.mean() / q_pi.abs().mean().detach().clamp(min=1e-6)
+        actor_loss = q_loss + algo.alpha * distill
+        self.actor_optimizer.zero_grad()
+        actor_loss.backward()
+        self.actor_optimizer.step()
+        with torch.no_grad():
+            torch._foreach_lerp_(list(self.critic_target.parameters()), list(self.critic.parameters()), algo.tau)
+        return {"train/critic_loss": critic_loss.item(), "train/q": q.mean().item(), "train/actor_loss": actor_loss.item(),
+                "train/distill_loss": distill.item()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"actor": self.actor.state_dict(), "critic": self.critic.state_dict(),
+                "critic_target": self.critic_target.state_dict(), "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name in ("actor", "critic", "critic_target"):
+            getattr(self, name).load_state_dict(state[name])
+        self.generator.set_state(state["generator"])
+
+
+# --------------------------------------------------------------------------------------------
+# embodied-rl finetune algo=qc_fql
+# --------------------------------------------------------------------------------------------
+
+
+def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
+    from embodied_rl.data.dataset import DemoDataset
+
+    algo = QCFQLConfig.from_cfg(cfg.algo)
+    if not hasattr(policy, "velocity"):
+        raise UserError(f"algo=qc_fql distils a flow policy (policy=flow or vla); this checkpoint holds a {type(policy).__name__}")
+    seed = int(cfg.seed)
+    torch.manual_seed(seed)
+    device = torch.device(str(cfg.device))
+    policy.eval()
+    policy.requires_grad_(False)
+    rewards = reward_settings(cfg)
+    learner = QCFQL(algo, policy, device, seed)
+    num_envs = int(env.num_envs)
+    chunk_shape = (int(policy.n_action_steps), int(policy.action_dim))
+    replay = ChunkReplay(algo.buffer_size, policy.cond_dim, chunk_shape, device)
+
+    demo_path = find_demo_path(cfg)
+    if demo_path is None:
+        raise UserError("algo=qc_fql needs demonstrations: the BC checkpoint records none; pass algo.data=PATH")
+    task = getattr(env, "task", None)
+    demos = demo_chunk_transitions(DemoDataset.load(demo_path), policy, algo.gamma,
+                                   bool(getattr(task, "success_terminates", True)), rewards.sparse, device)
+    demo_generator = torch.Generator().manual_seed(seed + 1)
+    replay_generator = torch.Generator().manual_seed(seed + 2)
+    demo_batch = int(round(algo.batch_size * algo.demo_fraction))
+
+    def sample_batch() -> dict[str, Tensor]:
+        online = algo.batch_size - demo_batch if replay.size > 0 else 0
+        parts = [replay.sample(online, replay_generator)] if online else []
+        idx = torch.randint(0, len(demos["cond"]), (algo.batch_size - online,), generator=demo_generator)
+        parts.append({k: v[idx.to(v.device)] for k, v in demos.items()})
+        return {k: torch.cat([p[k] for p in parts]) for k in FIELDS}
+
+    def write_agent(path: Path) -> None:
+        tensors = {**{f"actor.{k}": v for k, v in learner.actor.state_dict().items()},
+                   **{f"critic.{k}": v for k, v in learner.critic.state_dict().items()}}
+        save_agent(path, AGENT_KIND, learner.config, tensors, policy)
+
+    def make_agent(n: int) -> OneStepAgent:
+        return OneStepAgent(learner.actor, policy, n)
+
+    loop = FinetuneLoop(cfg, run, make_agent, policy.env_options())
+    loop.counters.setdefault("offline_updates", 0)
+    saved = loop.resume({"learner": learner}, learner.optimizers(), write_agent)
+
+    # ---- offline pre-training on the demos (skipped when a checkpoint holds it) ----
+    stats: dict[str, float] = {}
+    while loop.counters["offline_updates"] < algo.offline_updates:
+        stats = learner.update(sample_batch())
+        loop.counters["offline_updates"] += 1
+        loop.check_finite("train/critic_loss", stats["train/critic_loss"], stats)
+    if saved is None and algo.offline_updates:
+        loop.run.log(0, {f"offline/{k.removeprefix('train/')}": v for k, v in stats.items()})
+
+    # ---- the env; the one-step policy acts on obs histories ----
+    history = ObsHistory(policy.n_obs_steps)
+    henv = HistoryEnv(env, history)
+    pending_updates = 0.0
+    if saved is None or saved["env"] is None:
+        henv.reset(seed=seed + loop.env_steps)
+    else:
+        env.set_state(saved["env"])
+        history.buffer = saved["history"]
+    act_generator = torch.Generator(device=policy.device).manual_seed(seed + 3)  # z of the rollouts
+    if saved is not None:
+        if "replay" in saved:  # absent with save_replay=false: the resumed run refills it
+            replay.load_state_dict(saved["replay"])
+        for generator, key in ((demo_generator, "demo_generator"), (replay_generator, "replay_generator"),
+                               (act_generator, "act_generator")):
+            generator.set_state(saved[key])
+        pending_updates = float(saved["pending_updates"])
+
+    def loop_state() -> dict[str, Any]:
+        return {"env": env_snapshot(env), "history": history.buffer, "replay": replay.state_dict(),
+                "demo_generator": demo_generator.get_state(), "replay_generator": replay_generator.get_state(),
+                "act_generator": act_generator.get_state(), "pending_updates": torch.tensor(pending_updates)}
+
+    def encoded_history() -> Tensor:
+        return policy.encode_obs(map_obs(lambda h: h.to(policy.device), history.get()))
+
+    loop.start(f"finetune {algo.name}")
+    while loop.env_steps < loop.total_env_steps:
+        with torch.no_grad():
+            cond = encoded_history()
+            normalized = learner.actor(cond, policy.initial_noise(num_envs, act_generator))
+            chunk = learner.executed(normalized)
+            _, reward, terminated, truncated, info = step_chunk(henv, learner.executed(policy.unnormalize_action(normalized)))
+            terminated, truncated = terminated.to(device), truncated.to(device)
+            next_cond = encoded_history()  # a finished env's history already holds its next episode
+            if rewards.bootstrap_truncation:  # ... so a truncated chunk bootstraps from its final observation
+                final = map_obs(lambda o: o[:, None].expand(-1, policy.n_obs_steps, *o.shape[1:]).to(policy.device),
+                                info["final_obs"])
+                next_cond = torch.where(truncated[:, None], policy.encode_obs(final), next_cond)
+                ends = terminated
+            else:
+                ends = terminated | truncated
+            discount = algo.gamma ** info["steps"].to(device).float() * (~ends).float()
+        replay.add({"cond": cond, "chunk": chunk, "reward": training_reward(reward, info, rewards.sparse).to(device),
+                    "discount": discount, "next_cond": next_cond})
+        loop.advance(num_envs * chunk_shape[0], info)  # the batch steps every chunk step (envs.step_chunk)
+
+        pending_updates += algo.utd_ratio * num_envs
+        while pending_updates >= 1:
+            pending_updates -= 1
+            stats = learner.update(sample_batch())
+            for key in ("train/critic_loss", "train/actor_loss"):
+                loop.check_finite(key, stats[key], stats)
+        loop.log(stats)
+        loop.boundary(loop_state)
+    return loop.finish(loop_state())
+
