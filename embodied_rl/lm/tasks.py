@@ -86,13 +86,14 @@ class LMTask:
                 yield problem
 
     def problems(self, split: str, count: int, seed: int = 0) -> list[Problem]:
-        """`count` distinct problems of `split` (fewer if the split has fewer; at least one)."""
+        """`count` distinct problems of `split`; fewer when the split has fewer (a small task):
+        the search stops after 1000 draws in a row bring no new problem."""
         found: dict[str, Problem] = {}
-        attempts = 0
+        misses = 0
         for problem in self.stream(split, seed):
-            attempts += 1
+            misses = 0 if problem.key not in found else misses + 1
             found.setdefault(problem.key, problem)
-            if len(found) >= count or attempts >= 50 * count + 1000:
+            if len(found) >= count or misses >= 1000:
                 break
         return list(found.values())
 
