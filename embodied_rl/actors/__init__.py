@@ -31,6 +31,7 @@ ACTORS: dict[str, str] = {
     "dppo": "embodied_rl.actors.dppo:DPPOActor",
     "flow_noise": "embodied_rl.actors.flow_noise:FlowNoiseActor",
     "flow_sde": "embodied_rl.actors.flow_sde:FlowSDEActor",
+    "fpo": "embodied_rl.actors.fpo:FPOActor",
 }
 
 # agent kind (agent.json's "kind") -> "module:function" that builds its evaluation agent from an

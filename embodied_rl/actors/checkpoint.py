@@ -8,7 +8,7 @@
     kind                             config                          tensors
     residual, residual_chunk,        the actor's constructor         the actor's state_dict without
     latent_noise, dppo, flow_noise,  arguments (Actor.config())      the base policy ("policy.*")
-    flow_sde (on-policy actors)
+    flow_sde, fpo (on-policy actors)
     residual_offpolicy               ResidualPolicyNet's sizes,      actor.* (the residual network),
                                      learner, normalize_obs          critic.* (the Q ensemble)
     dsrl                             noise bound and shape, SB3      the SB3 SAC policy's state_dict

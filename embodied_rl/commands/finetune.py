@@ -24,6 +24,7 @@ ALGOS: dict[str, str] = {
     "flow_sde": "embodied_rl.algos.ppo",
     "grpo": "embodied_rl.algos.ppo",
     "dsrl_ppo": "embodied_rl.algos.ppo",
+    "fpo": "embodied_rl.algos.ppo",
     "dsrl": "embodied_rl.algos.dsrl",
     "dsrl_na": "embodied_rl.algos.dsrl",
     "residual_offpolicy": "embodied_rl.algos.sac",

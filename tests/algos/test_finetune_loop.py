@@ -170,6 +170,7 @@ RESUME_CASES = [
     case("dppo", "diffusion", "algo.num_steps=4"),
     case("reinflow", "flow", "algo.num_steps=4", "algo.actor_kwargs.noise_hidden=16"),
     case("flow_sde", "flow", "algo.num_steps=4"),
+    case("fpo", "flow", "algo.num_steps=4", "algo.actor_kwargs.num_samples=2"),
     case("dsrl_ppo", "flow", "algo.num_steps=4", "algo.actor_kwargs.hidden=16"),
     # one GRPO iteration = every env runs one 8-step episode (4 chunks): 32 env steps; the dense env
     # reward makes the groups informative (no reach episode succeeds in 8 steps)
