@@ -16,8 +16,12 @@ the PPO loop's ratio exp(logprob - old_logprob) is
 one ratio per chunk, with the same (t_k, eps_k) for the old and the new weights (they travel in
 the stash), so r = 1 exactly before the first update. Lowering the loss of an action with a
 positive advantage raises its ratio, which the clipped surrogate rewards up to 1 + clip.
-There is no entropy term (the loop receives zeros). Needs a flow policy (flow, or vla, which
-is one); the velocity network is fine-tuned, the encoder and normaliser stay frozen.
+There is no entropy term (the loop receives zeros). Exploration comes from the initial noise
+of each chunk; `action_noise` > 0 adds N(0, action_noise^2) to the sampled chunk (normalised
+units, before the [-1, 1] clamp), and the stored chunk is the noisy one, so the loss is that of
+the executed action. Needs a flow policy (flow, or vla, which is one): a shortcut model samples
+with its step-size-conditioned velocity, not the flow-matching one the loss trains. The velocity
+network is fine-tuned, the encoder and normaliser stay frozen.
 """
 
 from __future__ import annotations
@@ -28,28 +32,38 @@ from torch import Tensor
 from embodied_rl.actors.base import ActorOutput, ChainActor
 from embodied_rl.errors import UserError
 from embodied_rl.policies.base import Obs
+from embodied_rl.policies.flow import FlowPolicy
+from embodied_rl.policies.shortcut import ShortcutPolicy
 
 
 class FPOActor(ChainActor):
     kind = "fpo"
 
-    def __init__(self, policy, num_envs: int = 1, num_samples: int = 8, critic_hidden: int = 256):
-        if not hasattr(policy, "sample_train_times"):
-            raise UserError(f"algo=fpo needs a flow policy (policy=flow or vla), got a {type(policy).__name__}")
+    def __init__(self, policy, num_envs: int = 1, num_samples: int = 8, action_noise: float = 0.0,
+                 critic_hidden: int = 256):
+        if not isinstance(policy, FlowPolicy) or isinstance(policy, ShortcutPolicy):
+            raise UserError(f"algo=fpo needs a flow policy (policy=flow or vla), got {getattr(policy, 'policy_type', type(policy).__name__)}")
         if int(num_samples) < 1:
             raise UserError(f"algo.actor_kwargs.num_samples must be >= 1, got {num_samples}")
+        if float(action_noise) < 0:
+            raise UserError(f"algo.actor_kwargs.action_noise must be >= 0, got {action_noise}")
         super().__init__(policy, critic_hidden)
-        self._config = dict(num_samples=int(num_samples), critic_hidden=critic_hidden)
+        self._config = dict(num_samples=int(num_samples), action_noise=float(action_noise),
+                            critic_hidden=critic_hidden)
         self.num_samples = int(num_samples)
+        self.action_noise = float(action_noise)
 
     @torch.no_grad()
     def act(self, obs: Obs, deterministic: bool = False) -> ActorOutput:
         cond = self.encode(obs)
         n, k = len(cond), self.num_samples
-        chunk = self.ft.sample(cond, torch.randn((n, *self.policy.noise_shape), device=cond.device)).clamp(-1.0, 1.0)
+        chunk = self.ft.sample(cond, torch.randn((n, *self.policy.noise_shape), device=cond.device))
         value = self.get_value(self.latest_obs(obs))
         if deterministic:  # evaluation acts only: no likelihood surrogate needed
             return ActorOutput(self.to_actions(chunk), torch.zeros(n, 1, device=cond.device), value, {})
+        if self.action_noise > 0:
+            chunk = chunk + self.action_noise * torch.randn_like(chunk)
+        chunk = chunk.clamp(-1.0, 1.0)  # the loss is that of the action the env executes
         stash = {"chunk": chunk, "t": self.ft.sample_train_times(n * k, cond.device).view(n, k),
                  "eps": torch.randn((n, k, *self.policy.noise_shape), device=cond.device)}
         logprob, _ = self.evaluate(obs, stash)

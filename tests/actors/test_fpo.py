@@ -59,9 +59,22 @@ def test_a_step_on_the_surrogate_raises_the_ratio_of_a_positive_advantage():
     assert float((new - out.logprob).exp().mean()) > 1.0  # lower flow-matching loss on these chunks
 
 
-def test_fpo_needs_a_flow_policy():
-    with pytest.raises(UserError, match="needs a flow policy"):
-        FPOActor(tiny("diffusion"))
+def test_extra_action_noise_is_stored_and_keeps_the_ratio_at_one():
+    obs = torch.randn(5, 2, 3)
+    plain = FPOActor(tiny(), num_samples=2).act(obs)  # tiny() seeds: both actors draw the same initial noise
+    actor = FPOActor(tiny(), num_samples=2, action_noise=0.3)
+    noisy = actor.act(obs)
+    assert not torch.allclose(noisy.stash["chunk"], plain.stash["chunk"])
+    assert noisy.stash["chunk"].abs().max() <= 1.0
+    assert torch.equal(actor.evaluate(obs, noisy.stash)[0], noisy.logprob)
+
+
+@pytest.mark.parametrize("policy_type", ["diffusion", "shortcut"])
+def test_fpo_needs_a_flow_policy(policy_type):
+    with pytest.raises(UserError, match=f"needs a flow policy .* got {policy_type}"):
+        FPOActor(tiny(policy_type))
+    with pytest.raises(UserError, match="action_noise"):
+        FPOActor(tiny(), action_noise=-0.1)
 
 
 def test_finetune_then_eval_through_the_cli(tmp_path, capsys):
