@@ -119,3 +119,17 @@ def test_gpu_throughput_runs_on_warps_cpu_device(capsys, monkeypatch):
     row = json.loads(out.strip().splitlines()[-1])["rows"]["2"]
     assert set(row) == {"env_steps_per_s", "train_env_steps_per_s", "rollout_env_steps_per_s", "updates_per_s"}
     assert all(value > 0 for value in row.values())
+
+
+def test_lm_table_runs_embodied_rl_grpo_from_a_pretrained_checkpoint(tmp_path, capsys):
+    bench = load_benchmark("lm_table")
+    summary = bench.main(["--skip-trl", "--sft-steps", "10", "--steps", "2", "--prompts", "2", "--group-size", "2",
+                          "--eval-problems", "8", "--run-eval-problems", "2", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1]) == json.loads(json.dumps(summary))
+    assert set(summary["rows"]) == {"sft", "embodied_rl"}
+    row = summary["rows"]["embodied_rl"]
+    assert row["n_problems"] == summary["rows"]["sft"]["n_problems"] == 8  # the same held-out problems
+    assert row["step_s"] > 0 and row["wall_s"] > row["step_s"] and 0.0 <= row["pass@1"] <= 1.0
+    assert (tmp_path / "embodied_rl" / "checkpoints" / "last" / "model.safetensors").is_file()
+    assert summary["settings"]["trl_loss_type"] == "bnpo" and "TRL GRPOTrainer" not in out
