@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--task", default="lm/addition", choices=["lm/addition", "lm/countdown"])
     parser.add_argument("--checkpoint", default=None, help="SFT checkpoint or pretrain run dir; none: pretrain one")
     parser.add_argument("--sft-steps", type=int, default=500, help="pretrain steps when --checkpoint is not given")
-    parser.add_argument("--steps", type=int, default=150, help="GRPO iterations (optimizer steps)")
+    parser.add_argument("--steps", type=int, default=200, help="GRPO iterations (optimizer steps)")
     parser.add_argument("--prompts", type=int, default=16, help="training problems per step")
     parser.add_argument("--group-size", type=int, default=8, help="completions per problem (TRL num_generations)")
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -143,7 +143,7 @@ def run_trl(args: argparse.Namespace, sft: Path, run_dir: Path) -> dict:
     saved as a checkpoint directory our eval reads."""
     import torch
     from datasets import Dataset
-    from transformers import TrainerCallback
+    from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from embodied_rl.cli import compose
@@ -188,12 +188,14 @@ def run_trl(args: argparse.Namespace, sft: Path, run_dir: Path) -> dict:
     start = time.perf_counter()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[StepTimer()])
+    trainer.remove_callback(PrinterCallback)  # no metrics dict printed per step; log_history.json keeps them
     trainer.train()
     final = run_dir / "final"
     save_model(final, trainer.model, tokenizer, {**(recorded_task(sft) or {}), "base": str(sft),
                                                   "trained_by": "trl.GRPOTrainer"})
     wall = time.perf_counter() - start
-    rewards = [row["reward"] for row in trainer.state.log_history if "reward" in row]
+    (run_dir / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
+    rewards = [float(row["reward"]) for row in trainer.state.log_history if "reward" in row]
     return {"checkpoint": final, "wall_s": wall, "step_s": mean_of(step_times),
             "reward_first": mean_of(rewards[:10]), "reward_last": mean_of(rewards[-10:])}
 

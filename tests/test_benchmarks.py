@@ -133,3 +133,44 @@ def test_lm_table_runs_embodied_rl_grpo_from_a_pretrained_checkpoint(tmp_path, c
     assert row["step_s"] > 0 and row["wall_s"] > row["step_s"] and 0.0 <= row["pass@1"] <= 1.0
     assert (tmp_path / "embodied_rl" / "checkpoints" / "last" / "model.safetensors").is_file()
     assert summary["settings"]["trl_loss_type"] == "bnpo" and "TRL GRPOTrainer" not in out
+
+
+def test_lm_table_without_trl_says_how_to_install_it_and_exits_2(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    import pytest
+
+    bench = load_benchmark("lm_table")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else find_spec(name, *a))
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "pip install trl" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before any run
+
+
+def test_lm_table_trl_side_trains_and_is_scored_by_our_eval(tmp_path, capsys):
+    import pytest
+
+    pytest.importorskip("trl")
+    from embodied_rl.lm.model import load_model, recorded_task
+    from embodied_rl.lm.sampling import encode_prompt
+
+    bench = load_benchmark("lm_table")
+    summary = bench.main(["--sft-steps", "10", "--steps", "2", "--prompts", "2", "--group-size", "2",
+                          "--eval-problems", "8", "--run-eval-problems", "2", "--agg", "seq-mean-token-mean",
+                          "--out", str(tmp_path)])
+    assert set(summary["rows"]) == {"sft", "embodied_rl", "trl"}
+    assert summary["settings"]["trl_loss_type"] == "grpo"
+    trl_row = summary["rows"]["trl"]
+    assert trl_row["n_problems"] == 8 and trl_row["step_s"] > 0 and 0.0 <= trl_row["pass@1"] <= 1.0
+    final = tmp_path / "trl" / "final"
+    assert recorded_task(final)["trained_by"] == "trl.GRPOTrainer"
+    history = json.loads((tmp_path / "trl" / "log_history.json").read_text())
+    assert sum("reward" in row for row in history) == 2  # one logged row per optimizer step
+    # TRL's prompts are our encoding (BOS + characters); its final model loads as a checkpoint of the task
+    model, tokenizer = load_model(final)
+    assert tokenizer(text=bench.trl_prompt_text(tokenizer, "12+345="))["input_ids"] == encode_prompt(tokenizer, "12+345=")
+    assert recorded_task(final)["name"] == "lm/addition" and model.config.vocab_size == len(tokenizer)
+    assert "TRL GRPOTrainer" in capsys.readouterr().out
