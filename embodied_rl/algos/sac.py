@@ -12,6 +12,14 @@ updates, then actor updates.
 Truncation vs termination: a truncated episode bootstraps from info["final_obs"] (and the base
 action the base policy would have taken there); a terminated one does not bootstrap.
 
+RLPD (`algo=rlpd`, Ball et al. 2023) is this method with RLPD's settings: SAC, a 10-critic
+ensemble, half of every batch from the demos, no warm start. `algo.interventions=expert` adds
+HIL-SERL-style takeovers (algos/interventions.py): where the trigger fires, the task's scripted
+expert drives the env for `intervention_steps` steps; those transitions (the expert's action as
+the action taken) enter the replay and the demo pool, and `train/intervention_rate` (the share of
+env steps the expert drove in the logging window) and `rollout/success_rate_unassisted` (episodes
+without any intervention) are logged.
+
 `finetune(cfg, run, env, policy)` is the `embodied-rl finetune algo=residual_offpolicy` entry point
 (`algo=residual_sac` is its former name).
 
@@ -42,6 +50,12 @@ from embodied_rl.actors.residual_offpolicy import (
     residual_tensors,
 )
 from embodied_rl.algos.common import FinetuneLoop, env_snapshot, reward_settings, training_reward
+from embodied_rl.algos.interventions import (
+    TRIGGERS,
+    InterventionSchedule,
+    expert_state,
+    load_expert_state,
+)
 from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart
 from embodied_rl.errors import UserError
 from embodied_rl.policies import PolicyRunner
@@ -105,16 +119,31 @@ FIELDS = ("obs", "base", "action", "reward", "discount", "next_obs", "next_base"
 
 
 class Replay:
-    """A fixed-size circular buffer of n-step transitions (torch tensors on one device)."""
+    """A circular buffer of n-step transitions (torch tensors on one device) holding at most
+    `capacity`. Its storage grows (doubling) as it fills, so a short run or a small share of the
+    steps (the intervened ones) does not hold `capacity` rows of memory."""
 
     def __init__(self, capacity: int, obs_dim: int, action_dim: int, device: torch.device):
-        dims = {"obs": obs_dim, "base": action_dim, "action": action_dim, "reward": 0, "discount": 0,
-                "next_obs": obs_dim, "next_base": action_dim}
-        self.data = {k: torch.zeros((capacity, d) if d else (capacity,), device=device) for k, d in dims.items()}
-        self.capacity, self.size, self.pos = int(capacity), 0, 0
+        self.dims = {"obs": obs_dim, "base": action_dim, "action": action_dim, "reward": 0, "discount": 0,
+                     "next_obs": obs_dim, "next_base": action_dim}
+        self.capacity, self.size, self.pos, self.device = int(capacity), 0, 0, device
+        self.data: dict[str, Tensor] = {}
+        self._reserve(min(self.capacity, 1024))
+
+    def _reserve(self, rows: int) -> None:
+        """Storage for at least `rows` transitions (at most `capacity`)."""
+        held = len(self.data["obs"]) if self.data else 0
+        if rows <= held:
+            return
+        rows = min(self.capacity, max(rows, 2 * held))
+        grown = {k: torch.zeros((rows, d) if d else (rows,), device=self.device) for k, d in self.dims.items()}
+        for key, value in self.data.items():
+            grown[key][:held] = value
+        self.data = grown
 
     def add(self, batch: dict[str, Tensor]) -> None:
         n = len(batch["obs"])
+        self._reserve(min(self.pos + n, self.capacity))  # the buffer wraps only once it is full
         idx = (self.pos + torch.arange(n)) % self.capacity
         for key in FIELDS:
             self.data[key][idx.to(self.data[key].device)] = batch[key].to(self.data[key])
@@ -122,7 +151,10 @@ class Replay:
         self.size = min(self.size + n, self.capacity)
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> dict[str, Tensor]:
-        idx = torch.randint(0, self.size, (n,), generator=generator)
+        return self.rows(torch.randint(0, self.size, (n,), generator=generator))
+
+    def rows(self, idx: Tensor) -> dict[str, Tensor]:
+        """The transitions at positions `idx` (< size)."""
         return {k: v[idx.to(v.device)] for k, v in self.data.items()}
 
     def state_dict(self) -> dict[str, Any]:
@@ -134,6 +166,7 @@ class Replay:
         size = int(state["size"])
         if size > self.capacity:
             raise UserError(f"the saved replay buffer holds {size} transitions, more than algo.buffer_size={self.capacity}")
+        self._reserve(size)
         for key, value in state["data"].items():
             self.data[key][:size] = value.to(self.data[key])
         self.pos, self.size = int(state["pos"]) % self.capacity, size
@@ -262,6 +295,11 @@ class ResidualOffPolicyConfig:
     reward: str
     warmup_env_steps: int
     critic_only_steps: int
+    interventions: str         # none | expert
+    intervention_trigger: str  # stall | random
+    stall_steps: int
+    intervention_prob: float
+    intervention_steps: int
 
     @classmethod
     def from_cfg(cls, algo: Any) -> ResidualOffPolicyConfig:
@@ -290,6 +328,11 @@ class ResidualOffPolicyConfig:
             ("policy_delay", config.policy_delay >= 1, ">= 1"),
             ("warmup_env_steps", config.warmup_env_steps >= 0, ">= 0"),
             ("critic_only_steps", config.critic_only_steps >= 0, ">= 0"),
+            ("interventions", config.interventions in ("none", "expert"), "none or expert"),
+            ("intervention_trigger", config.intervention_trigger in TRIGGERS, " or ".join(TRIGGERS)),
+            ("stall_steps", config.stall_steps >= 1, ">= 1"),
+            ("intervention_prob", 0.0 <= config.intervention_prob <= 1.0, "in [0, 1]"),
+            ("intervention_steps", config.intervention_steps >= 1, ">= 1"),
         ]
         for key, ok, expected in checks:
             if not ok:
@@ -299,9 +342,11 @@ class ResidualOffPolicyConfig:
 
 def validate_config(cfg: Any) -> None:
     """Called by `embodied-rl finetune` before any work."""
-    ResidualOffPolicyConfig.from_cfg(cfg.algo)
+    config = ResidualOffPolicyConfig.from_cfg(cfg.algo)
     reward_settings(cfg)
     find_demo_path(cfg)  # a bad algo.data is an error
+    if config.interventions == "expert" and not cfg.task.get("expert", False):
+        raise UserError(f"algo.interventions=expert needs a scripted expert; task {cfg.task.name} has none")
 
 
 # --------------------------------------------------------------------------------------------
@@ -461,8 +506,29 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
                                  bool(getattr(task, "success_terminates", True)), device, sparse)
         for key in ("obs", "next_obs"):
             demos[key] = features(demos[key])
-    demo_batch = int(round(algo.batch_size * algo.demo_fraction)) if demos is not None else 0
+    interventions = expert = None
+    if algo.interventions == "expert":
+        from embodied_rl.envs.experts import make_expert
+
+        interventions = InterventionSchedule(num_envs, algo.intervention_trigger, algo.stall_steps,
+                                             algo.intervention_prob, algo.intervention_steps,
+                                             distributed.rank_seed(seed) + 3)
+        expert = make_expert(cfg.task.name, env, quality=1.0,
+                             generator=torch.Generator().manual_seed(distributed.rank_seed(seed) + 4))
+    intervened = Replay(algo.buffer_size, obs_dim, action_dim, device)  # the expert's steps: demos too
+    demo_batch = int(round(algo.batch_size * algo.demo_fraction))
     demo_generator = torch.Generator().manual_seed(distributed.rank_seed(seed) + 1)
+
+    def sample_demos(n: int) -> dict[str, Tensor]:
+        """n transitions drawn uniformly from the demos and the intervened steps together."""
+        offline = len(demos["obs"]) if demos is not None else 0
+        idx = torch.randint(0, offline + intervened.size, (n,), generator=demo_generator)
+        parts = []
+        if offline:
+            parts.append({k: demos[k][idx[idx < offline].to(device)] for k in FIELDS})
+        if intervened.size:
+            parts.append(intervened.rows(idx[idx >= offline] - offline))
+        return {k: torch.cat([part[k] for part in parts]) for k in FIELDS}
 
     def write_agent(path: Path) -> None:
         save_agent(path, AGENT_KIND, learner.config, residual_tensors(learner.actor, learner.critic), policy)
@@ -476,6 +542,9 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     window: list[dict[str, Tensor]] = []  # the last n_step steps, whose n-step returns are not complete yet
     pending_updates = 0.0
     stats: dict[str, float] = {}
+    assisted = torch.zeros(num_envs, dtype=torch.bool)  # episodes the expert drove at least one step of
+    driven_steps = window_steps = 0
+    unassisted: list[float] = []  # the successes of episodes without interventions, this logging window
     if saved is None or saved["env"] is None:  # new episodes: a new run, or a backend without snapshots
         obs, _ = env.reset(seed=distributed.rank_seed(seed + loop.env_steps))
         base = queue.act(obs)
@@ -487,12 +556,23 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         demo_generator.set_state(saved["demo_generator"])
         pending_updates = float(saved["pending_updates"])
         if "replay" in saved:
-            replay.load_state_dict(saved["replay"])
+            replay.load_state_dict(saved["replay"]["online"])
+            intervened.load_state_dict(saved["replay"]["intervened"])
+        if interventions is not None:
+            interventions.load_state_dict(saved["interventions"])
+            load_expert_state(expert, saved["expert"])
+            assisted, unassisted = saved["assisted"], saved["unassisted"].tolist()
+            driven_steps, window_steps = (int(x) for x in saved["intervention_window"])
 
     def loop_state() -> dict[str, Any]:
-        return {"env": env_snapshot(env), "obs": obs, "base": base, "window": window, "queue": queue.state_dict(),
-                "demo_generator": demo_generator.get_state(), "pending_updates": torch.tensor(pending_updates),
-                "replay": replay.state_dict()}
+        state = {"env": env_snapshot(env), "obs": obs, "base": base, "window": window, "queue": queue.state_dict(),
+                 "demo_generator": demo_generator.get_state(), "pending_updates": torch.tensor(pending_updates),
+                 "replay": {"online": replay.state_dict(), "intervened": intervened.state_dict()}}
+        if interventions is not None:
+            state.update(interventions=interventions.state_dict(), expert=expert_state(expert), assisted=assisted,
+                         unassisted=torch.tensor(unassisted, dtype=torch.float64),
+                         intervention_window=torch.tensor([driven_steps, window_steps]))
+        return state
 
     loop.start(f"finetune {algo.name}")
     while loop.env_steps < loop.total_env_steps:
@@ -500,8 +580,23 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         obs_features = features(obs)  # once per step: for the actor now, and for the replay
         residual = torch.zeros_like(base) if phase == WARMUP else learner.explore(obs_features, base.to(device)).to(base.device)
         action = (base + residual).clamp(-1.0, 1.0)
+        driven = torch.zeros(num_envs, dtype=torch.bool)
+        if interventions is not None:  # the expert takes over where the trigger fires
+            driven, starting = interventions.begin()
+            if bool(starting.any()):  # a takeover plans afresh from the env's current state
+                expert.reset(starting)
+            if bool(driven.any()):
+                action = torch.where(driven[:, None].to(action.device), expert.act(obs).to(action), action)
+            assisted |= driven
+            driven_steps += int(driven.sum())
+        window_steps += num_envs
         next_obs, reward, terminated, truncated, info = env.step(action)
         done = terminated | truncated
+        if interventions is not None:
+            interventions.after_step(reward, done)
+            ended = info["_episode"].cpu()
+            unassisted += info["episode"]["success_once"].cpu()[ended & ~assisted].float().tolist()
+            assisted &= ~done.cpu()
         final_obs = where_obs(done, info["final_obs"], next_obs)
         bootstrap_base = queue.peek(final_obs, done)  # what the base policy would do at final_obs
         queue.reset(done.cpu())
@@ -509,14 +604,18 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         window.append({"obs": obs_features, "base": base, "action": action,
                        "reward": training_reward(reward, info, sparse), "terminated": terminated,
                        "truncated": truncated, "next_obs": features(final_obs),
-                       "next_base": torch.where(done[:, None], bootstrap_base, next_base)})
+                       "next_base": torch.where(done[:, None], bootstrap_base, next_base), "driven": driven})
         if len(window) == algo.n_step:  # the oldest step now has its n-step return
             steps = {key: torch.stack([w[key] for w in window]) for key in window[0]}
             ret, discount, last = nstep_returns(steps["reward"], steps["terminated"], steps["truncated"], algo.gamma)
             rows = torch.arange(num_envs, device=ret.device)
-            replay.add({"obs": steps["obs"][0], "base": steps["base"][0], "action": steps["action"][0],
-                        "reward": ret, "discount": discount, "next_obs": steps["next_obs"][last, rows],
-                        "next_base": steps["next_base"][last, rows]})
+            transitions = {"obs": steps["obs"][0], "base": steps["base"][0], "action": steps["action"][0],
+                           "reward": ret, "discount": discount, "next_obs": steps["next_obs"][last, rows],
+                           "next_base": steps["next_base"][last, rows]}
+            replay.add(transitions)
+            by_expert = steps["driven"][0]
+            if bool(by_expert.any()):
+                intervened.add({k: v[by_expert.to(v.device)] for k, v in transitions.items()})
             window.pop(0)
         obs, base = next_obs, next_base
         loop.advance(num_envs, info)
@@ -525,15 +624,23 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
             pending_updates += algo.utd_ratio * num_envs
             while pending_updates >= 1:
                 pending_updates -= 1
-                batch = replay.sample(algo.batch_size - demo_batch)
-                if demo_batch:
-                    idx = torch.randint(0, len(demos["obs"]), (demo_batch,), generator=demo_generator)
-                    batch = {k: torch.cat([batch[k], demos[k][idx.to(device)]]) for k in FIELDS}
+                take_demos = demo_batch if (demos is not None or intervened.size > 0) else 0
+                batch = replay.sample(algo.batch_size - take_demos)
+                if take_demos:
+                    extra = sample_demos(take_demos)
+                    batch = {k: torch.cat([batch[k], extra[k]]) for k in FIELDS}
                 stats = learner.update(batch, update_actor=phase == FULL)
                 for key in ("train/critic_loss", "train/actor_loss"):  # divergence stops the run
                     if key in stats:
                         loop.check_finite(key, stats[key], stats)
 
-        loop.log({**stats, "train/phase": {WARMUP: 0, CRITIC: 1, FULL: 2}[phase]})
+        row = {**stats, "train/phase": {WARMUP: 0, CRITIC: 1, FULL: 2}[phase]}
+        if interventions is not None:
+            row["train/intervention_rate"] = driven_steps / max(1, window_steps)
+            if unassisted:
+                row["rollout/success_rate_unassisted"] = sum(unassisted) / len(unassisted)
+        if loop.log(row):
+            driven_steps = window_steps = 0
+            unassisted = []
         loop.boundary(loop_state)
     return loop.finish(loop_state())

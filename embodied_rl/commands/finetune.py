@@ -29,6 +29,7 @@ ALGOS: dict[str, str] = {
     "dsrl_na": "embodied_rl.algos.dsrl",
     "residual_offpolicy": "embodied_rl.algos.sac",
     "residual_sac": "embodied_rl.algos.sac",  # the former name of residual_offpolicy, kept as an alias
+    "rlpd": "embodied_rl.algos.sac",
     "recap": "embodied_rl.algos.recap",
     "qc_fql": "embodied_rl.algos.qc_fql",
 }

@@ -179,6 +179,9 @@ RESUME_CASES = [
     case("residual_offpolicy", "flow", *RESIDUAL_OFF_POLICY),
     # the former name, with the SAC learner (the preset's default is TD3)
     case("residual_sac", "flow", *RESIDUAL_OFF_POLICY, "algo.learner=sac", id="residual_sac-sac"),
+    # RLPD with expert takeovers that span the checkpoints (the expert's state and the trigger's resume)
+    case("rlpd", "flow", *RESIDUAL_OFF_POLICY, "algo.interventions=expert", "algo.intervention_trigger=random",
+         "algo.intervention_prob=0.2", "algo.intervention_steps=5"),
     case("dsrl", "flow", *DSRL),
     case("dsrl_na", "flow", *DSRL),
     case("recap", "flow", "algo.rollout_steps=8", "algo.policy_updates=2", "algo.value_updates=2",
