@@ -42,7 +42,8 @@ class FPOActor(ChainActor):
     def __init__(self, policy, num_envs: int = 1, num_samples: int = 8, action_noise: float = 0.0,
                  critic_hidden: int = 256):
         if not isinstance(policy, FlowPolicy) or isinstance(policy, ShortcutPolicy):
-            raise UserError(f"algo=fpo needs a flow policy (policy=flow or vla), got {getattr(policy, 'policy_type', type(policy).__name__)}")
+            name = getattr(policy, "policy_type", type(policy).__name__)
+            raise UserError(f"algo=fpo needs a flow policy (policy=flow or vla), got {name}")
         if int(num_samples) < 1:
             raise UserError(f"algo.actor_kwargs.num_samples must be >= 1, got {num_samples}")
         if float(action_noise) < 0:
