@@ -32,6 +32,7 @@ ALGOS: dict[str, str] = {
     "rlpd": "embodied_rl.algos.sac",
     "recap": "embodied_rl.algos.recap",
     "qc_fql": "embodied_rl.algos.qc_fql",
+    "sac_flow": "embodied_rl.algos.sac_flow",
 }
 
 

@@ -1,0 +1,306 @@
+"""SAC Flow: soft actor-critic on the flow policy itself (after Zhang et al. 2025, "SAC Flow:
+Sample-Efficient Reinforcement Learning of Flow-Based Policies via Velocity-Reparameterized
+Sequential Modeling").
+
+The actor is the flow policy's velocity network (a trainable copy; the encoder and normaliser
+stay frozen), sampled as a noise-injected chain: K steps of the marginal-preserving SDE version
+of its Euler step (`policy.step_mean_std`, as Flow-SDE),
+
+    x_{i+1} = mean_i(x_i) + std_i * eps_i,   x_0 ~ N(0, I),
+
+so the chain has a tractable log-likelihood, log p = sum_i log N(x_{i+1}; mean_i, std_i^2),
+averaged over the executed chunk entries (per action dimension, like the other chain actors).
+It is reparameterised: the chunk is a differentiable function of the weights given the noise.
+SAC runs over executed chunks (one MDP step = n_action_steps env steps, as in QC-FQL):
+- critic: an ensemble of LayerNorm MLPs Q(s, a_{t:t+h}) on the frozen encoder's conditioning,
+  target y = R + gamma^steps * (min_pair Qbar(s', a') - alpha * log p(a' chain | s')), a' drawn
+  from the current chain;
+- actor: minimise alpha * log p(chain) - mean_e Q_e(s, a), through the whole chain;
+- alpha: fixed (`alpha`), or tuned toward `target_entropy` (per action dimension) when set.
+Batches mix online chunks with the demo dataset's chunk transitions (`demo_fraction`; 0 = online
+only), `utd_ratio` gradient steps per collected chunk transition. The checkpoint is a plain
+policy checkpoint of the fine-tuned flow policy (config.json, model.safetensors): `eval` runs it
+like any BC policy (its deterministic ODE from random noise), and it can be fine-tuned again.
+
+`finetune(cfg, run, env, policy)` is `embodied-rl finetune algo=sac_flow`; configs/algo/sac_flow.yaml.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from torch import Tensor, nn
+
+from embodied_rl.actors.base import HistoryEnv, gaussian_logprob
+from embodied_rl.algos.common import FinetuneLoop, env_snapshot, reward_settings, training_reward
+from embodied_rl.algos.qc_fql import FIELDS, ChunkCritic, ChunkReplay, demo_chunk_transitions
+from embodied_rl.algos.sac import find_demo_path, random_pair_min
+from embodied_rl.envs.api import step_chunk
+from embodied_rl.errors import UserError
+from embodied_rl.policies import PolicyRunner
+from embodied_rl.policies.checkpoint import write_policy_files
+from embodied_rl.policies.runner import ObsHistory, executed_actions, map_obs
+
+
+@dataclass(frozen=True)
+class SACFlowConfig:
+    """configs/algo/sac_flow.yaml (the one home of its defaults)."""
+
+    name: str
+    noise_level: float
+    critic_hidden_sizes: list[int]
+    ensemble: int
+    gamma: float
+    tau: float
+    actor_lr: float
+    critic_lr: float
+    alpha: float
+    target_entropy: float | None
+    batch_size: int
+    buffer_size: int
+    utd_ratio: float
+    demo_fraction: float
+    critic_only_steps: int
+    reward: str
+    bootstrap_truncation: Any
+    data: str | None
+
+    @classmethod
+    def from_cfg(cls, algo: Any) -> SACFlowConfig:
+        config = cls(**OmegaConf.to_container(algo, resolve=True))
+        checks = [
+            ("noise_level", config.noise_level > 0, "> 0"),
+            ("ensemble", config.ensemble >= 1, ">= 1"),
+            ("gamma", 0.0 <= config.gamma <= 1.0, "in [0, 1]"),
+            ("tau", 0.0 < config.tau <= 1.0, "in (0, 1]"),
+            ("actor_lr", config.actor_lr > 0, "> 0"),
+            ("critic_lr", config.critic_lr > 0, "> 0"),
+            ("alpha", config.alpha > 0, "> 0"),
+            ("batch_size", config.batch_size >= 2, ">= 2"),
+            ("buffer_size", config.buffer_size >= 1, ">= 1"),
+            ("utd_ratio", config.utd_ratio > 0, "> 0"),
+            ("demo_fraction", 0.0 <= config.demo_fraction < 1.0, "in [0, 1)"),
+            ("critic_only_steps", config.critic_only_steps >= 0, ">= 0"),
+        ]
+        for key, ok, expected in checks:
+            if not ok:
+                raise UserError(f"algo.{key} must be {expected}, got {getattr(config, key)}")
+        return config
+
+
+def validate_config(cfg: Any) -> None:
+    """Called by `embodied-rl finetune` before any work."""
+    SACFlowConfig.from_cfg(cfg.algo)
+    reward_settings(cfg)
+    find_demo_path(cfg)  # a bad algo.data is an error
+
+
+class FlowChain(nn.Module):
+    """The noise-injected chain of a flow policy's trainable copy (see the module docstring)."""
+
+    def __init__(self, policy: Any, noise_level: float):
+        super().__init__()
+        self.policy = policy  # frozen: the encoder and the normaliser
+        self.ft = copy.deepcopy(policy)
+        self.ft.requires_grad_(False)
+        self.ft.net.requires_grad_(True)
+        self.noise_level = float(noise_level)
+
+    def forward(self, cond: Tensor, noise: Tensor, step_noise: Tensor) -> tuple[Tensor, Tensor]:
+        """(normalised chunk [N, H, A], log-likelihood of the chain per executed entry [N]) from the
+        initial noise [N, H, A] and the step noise [N, K, H, A]; differentiable in the weights."""
+        x, logprob = noise, torch.zeros(len(noise), device=noise.device)
+        for i in range(self.ft.num_inference_steps):
+            mean, std = self.ft.step_mean_std(x, i, cond, self.noise_level)
+            x = mean + std * step_noise[:, i]
+            logprob = logprob + executed_actions(self.policy, gaussian_logprob(x, mean, std)).flatten(1).mean(-1)
+        return x, logprob
+
+    def draw(self, cond: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        n, shape = len(cond), self.policy.noise_shape
+        noise = torch.randn((n, *shape), generator=generator, device=cond.device if generator is None else "cpu")
+        steps = torch.randn((n, self.ft.num_inference_steps, *shape), generator=generator,
+                            device=cond.device if generator is None else "cpu")
+        return self(cond, noise.to(cond.device), steps.to(cond.device))
+
+
+class SACFlow:
+    """The chain, the chunk critic, the entropy coefficient, their optimisers and one update."""
+
+    def __init__(self, algo: SACFlowConfig, policy: Any, device: torch.device, seed: int):
+        self.algo, self.policy = algo, policy
+        self.chain = FlowChain(policy, algo.noise_level).to(device)
+        chunk_dim = int(policy.n_action_steps) * int(policy.action_dim)
+        self.critic = ChunkCritic(policy.cond_dim, chunk_dim, algo.critic_hidden_sizes, algo.ensemble).to(device)
+        self.critic_target = ChunkCritic(policy.cond_dim, chunk_dim, algo.critic_hidden_sizes, algo.ensemble).to(device)
+        self.critic_target.load_state_dict(self.critic.state_dict())
+        self.critic_target.requires_grad_(False)
+        self.log_alpha = torch.tensor(math.log(algo.alpha), device=device, requires_grad=True)
+        self.actor_optimizer = torch.optim.Adam(self.chain.ft.net.parameters(), lr=algo.actor_lr)
+        self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=algo.critic_lr)
+        self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=algo.critic_lr)
+        self.generator = torch.Generator().manual_seed(seed)  # the critic pairs
+
+    def optimizers(self) -> dict[str, Any]:
+        return {"actor": self.actor_optimizer, "critic": self.critic_optimizer, "alpha": self.alpha_optimizer}
+
+    def update(self, batch: dict[str, Tensor], update_actor: bool) -> dict[str, float]:
+        algo = self.algo
+        alpha = self.log_alpha.exp().detach()
+        with torch.no_grad():
+            next_chunk, next_logprob = self.chain.draw(batch["next_cond"])
+            next_q = random_pair_min(self.critic_target(batch["next_cond"], executed_actions(self.policy, next_chunk)),
+                                     self.generator)
+            target = batch["reward"] + batch["discount"] * (next_q - alpha * next_logprob)
+        q = self.critic(batch["cond"], batch["chunk"])
+        critic_loss = ((q - target[None]) ** 2).mean(1).sum()
+        self.critic_optimizer.zero_grad()
+        critic_loss.backward()
+        self.critic_optimizer.step()
+        stats = {"train/critic_loss": critic_loss.item(), "train/q": q.mean().item(), "train/alpha": float(alpha)}
+        if update_actor:
+            chunk, logprob = self.chain.draw(batch["cond"])
+            self.critic.requires_grad_(False)  # the actor loss needs dQ/da only
+            q_pi = self.critic(batch["cond"], executed_actions(self.policy, chunk)).mean(0)
+            self.critic.requires_grad_(True)
+            actor_loss = (alpha * logprob - q_pi).mean()
+            self.actor_optimizer.zero_grad()
+            actor_loss.backward()
+            self.actor_optimizer.step()
+            stats.update({"train/actor_loss": actor_loss.item(), "train/logprob": logprob.mean().item()})
+            if algo.target_entropy is not None:  # tune alpha so that -logprob tracks the target
+                alpha_loss = -(self.log_alpha * (logprob.detach() + algo.target_entropy)).mean()
+                self.alpha_optimizer.zero_grad()
+                alpha_loss.backward()
+                self.alpha_optimizer.step()
+        with torch.no_grad():
+            torch._foreach_lerp_(list(self.critic_target.parameters()), list(self.critic.parameters()), algo.tau)
+        return stats
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"net": self.chain.ft.net.state_dict(), "critic": self.critic.state_dict(),
+                "critic_target": self.critic_target.state_dict(), "log_alpha": self.log_alpha.detach().cpu(),
+                "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.chain.ft.net.load_state_dict(state["net"])
+        self.critic.load_state_dict(state["critic"])
+        self.critic_target.load_state_dict(state["critic_target"])
+        with torch.no_grad():
+            self.log_alpha.copy_(state["log_alpha"])
+        self.generator.set_state(state["generator"])
+
+
+def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
+    from embodied_rl.data.dataset import DemoDataset
+
+    algo = SACFlowConfig.from_cfg(cfg.algo)
+    if not hasattr(policy, "sample_train_times"):
+        raise UserError(f"algo=sac_flow fine-tunes a flow policy (policy=flow or vla); this checkpoint holds a "
+                        f"{type(policy).__name__}")
+    seed = int(cfg.seed)
+    torch.manual_seed(seed)
+    device = torch.device(str(cfg.device))
+    policy.eval()
+    policy.requires_grad_(False)
+    rewards = reward_settings(cfg)
+    learner = SACFlow(algo, policy, device, seed)
+    num_envs = int(env.num_envs)
+    chunk_shape = (int(policy.n_action_steps), int(policy.action_dim))
+    replay = ChunkReplay(algo.buffer_size, policy.cond_dim, chunk_shape, device)
+    demos = None
+    if algo.demo_fraction > 0:
+        demo_path = find_demo_path(cfg)
+        if demo_path is None:
+            raise UserError("algo.demo_fraction > 0 needs demonstrations: the BC checkpoint records none; "
+                            "pass algo.data=PATH or algo.demo_fraction=0")
+        task = getattr(env, "task", None)
+        demos = demo_chunk_transitions(DemoDataset.load(demo_path), policy, algo.gamma,
+                                       bool(getattr(task, "success_terminates", True)), rewards.sparse, device)
+    demo_batch = int(round(algo.batch_size * algo.demo_fraction)) if demos is not None else 0
+    demo_generator = torch.Generator().manual_seed(seed + 1)
+    replay_generator = torch.Generator().manual_seed(seed + 2)
+    act_generator = torch.Generator().manual_seed(seed + 3)
+
+    def sample_batch() -> dict[str, Tensor]:
+        parts = [replay.sample(algo.batch_size - demo_batch, replay_generator)]
+        if demo_batch:
+            idx = torch.randint(0, len(demos["cond"]), (demo_batch,), generator=demo_generator)
+            parts.append({k: v[idx.to(v.device)] for k, v in demos.items()})
+        return {k: torch.cat([p[k] for p in parts]) for k in FIELDS}
+
+    recorded = {"finetuned_from": str(cfg.checkpoint), "algo": algo.name}
+    demo_path = find_demo_path(cfg)
+    if demo_path is not None:  # so that a later run finds the demos, as from the BC checkpoint
+        recorded["dataset"] = str(demo_path)
+
+    def write_agent(path: Path) -> None:  # the fine-tuned flow policy, as a policy checkpoint
+        write_policy_files(learner.chain.ft, path, recorded)
+
+    def make_agent(n: int) -> PolicyRunner:
+        return PolicyRunner(learner.chain.ft, n)
+
+    loop = FinetuneLoop(cfg, run, make_agent, policy.env_options())
+    saved = loop.resume({"learner": learner}, learner.optimizers(), write_agent)
+    history = ObsHistory(policy.n_obs_steps)
+    henv = HistoryEnv(env, history)
+    pending_updates = 0.0
+    if saved is None or saved["env"] is None:
+        henv.reset(seed=seed + loop.env_steps)
+    else:
+        env.set_state(saved["env"])
+        history.buffer = saved["history"]
+    if saved is not None:
+        if "replay" in saved:  # absent with save_replay=false: the resumed run refills it
+            replay.load_state_dict(saved["replay"])
+        for generator, key in ((demo_generator, "demo_generator"), (replay_generator, "replay_generator"),
+                               (act_generator, "act_generator")):
+            generator.set_state(saved[key])
+        pending_updates = float(saved["pending_updates"])
+
+    def loop_state() -> dict[str, Any]:
+        return {"env": env_snapshot(env), "history": history.buffer, "replay": replay.state_dict(),
+                "demo_generator": demo_generator.get_state(), "replay_generator": replay_generator.get_state(),
+                "act_generator": act_generator.get_state(), "pending_updates": torch.tensor(pending_updates)}
+
+    def encoded_history() -> Tensor:
+        return policy.encode_obs(map_obs(lambda h: h.to(policy.device), history.get()))
+
+    stats: dict[str, float] = {}
+    loop.start(f"finetune {algo.name}")
+    while loop.env_steps < loop.total_env_steps:
+        with torch.no_grad():
+            cond = encoded_history()
+            normalized, _ = learner.chain.draw(cond, act_generator)  # the stochastic chain explores
+            chunk = executed_actions(policy, normalized.clamp(-1.0, 1.0))
+            _, reward, terminated, truncated, info = step_chunk(henv, executed_actions(policy, policy.unnormalize_action(normalized)))
+            terminated, truncated = terminated.to(device), truncated.to(device)
+            next_cond = encoded_history()  # a finished env's history already holds its next episode
+            if rewards.bootstrap_truncation:  # ... so a truncated chunk bootstraps from its final observation
+                final = map_obs(lambda o: o[:, None].expand(-1, policy.n_obs_steps, *o.shape[1:]).to(policy.device),
+                                info["final_obs"])
+                next_cond = torch.where(truncated[:, None], policy.encode_obs(final), next_cond)
+                ends = terminated
+            else:
+                ends = terminated | truncated
+            discount = algo.gamma ** info["steps"].to(device).float() * (~ends).float()
+        replay.add({"cond": cond, "chunk": chunk, "reward": training_reward(reward, info, rewards.sparse).to(device),
+                    "discount": discount, "next_cond": next_cond})
+        loop.advance(num_envs * chunk_shape[0], info)  # the batch steps every chunk step (envs.step_chunk)
+
+        pending_updates += algo.utd_ratio * num_envs
+        while pending_updates >= 1:
+            pending_updates -= 1
+            stats = learner.update(sample_batch(), update_actor=loop.env_steps > algo.critic_only_steps)
+            for key in ("train/critic_loss", "train/actor_loss"):
+                if key in stats:
+                    loop.check_finite(key, stats[key], stats)
+        loop.log(stats)
+        loop.boundary(loop_state)
+    return loop.finish(loop_state())
