@@ -16,30 +16,46 @@ ON_POLICY = {
     "reinflow": ["algo.num_steps=2", "algo.actor_kwargs.noise_hidden=16"],
     "flow_sde": ["algo.num_steps=2"],
     "grpo": ["algo.num_steps=2", "algo.group_size=2"],
+    "fpo": ["algo.num_steps=2", "algo.actor_kwargs.num_samples=2"],
 }
 OFF_POLICY = {
     "dsrl": ["algo.hidden_sizes=[16,16]", "algo.batch_size=16"],
     "dsrl_na": ["algo.hidden_sizes=[16,16]", "algo.batch_size=16"],
     "residual_offpolicy": ["algo.actor_hidden_sizes=[16,16]", "algo.critic_hidden_sizes=[16,16]", "algo.ensemble=2",
                      "algo.batch_size=16"],
+    "rlpd": ["algo.actor_hidden_sizes=[16,16]", "algo.critic_hidden_sizes=[16,16]", "algo.ensemble=2",
+             "algo.batch_size=16", "algo.interventions=expert", "algo.stall_steps=2"],
+}
+# chunk-level off-policy methods (no WSRL stages); sac_flow's checkpoint is the fine-tuned policy itself
+CHUNK_OFF_POLICY = {
+    "qc_fql": (["algo.hidden_sizes=[16,16]", "algo.batch_size=16", "algo.offline_updates=2"], "agent.json"),
+    "sac_flow": (["algo.critic_hidden_sizes=[16,16]", "algo.batch_size=16", "algo.critic_only_steps=8"], "config.json"),
 }
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
+    import numpy as np
+
     from embodied_rl import envs
+    from embodied_rl.data.dataset import write_demos
     from embodied_rl.policies import make_policy, save_policy
 
     root = tmp_path_factory.mktemp("bc")
+    rng = np.random.default_rng(0)
     for task in TASKS:
         env = envs.make(task, num_envs=1)
         obs_dim, action_dim = env.task.obs_dim, env.action_dim
         env.close()
+        episodes = [{"obs": rng.standard_normal((6, obs_dim)).astype(np.float32),
+                     "action": rng.uniform(-1, 1, (6, action_dim)).astype(np.float32),
+                     "reward": np.zeros(6, np.float32), "success": bool(e % 2)} for e in range(2)]
+        demos = write_demos(root / f"{task}_demos", episodes, {"task": task, "obs_dim": obs_dim, "action_dim": action_dim})
         torch.manual_seed(0)
         policy = make_policy("flow", obs_dim=obs_dim, action_dim=action_dim, n_obs_steps=2, horizon=4,
                              n_action_steps=2, num_inference_steps=2, task=task,
                              backbone_kwargs=dict(hidden_dim=16, num_blocks=1, time_dim=8))
-        save_policy(policy, root / task)
+        save_policy(policy, root / task, extra={"dataset": str(demos)})
     return root
 
 
@@ -61,3 +77,8 @@ def test_every_algorithm_fine_tunes_and_checkpoints_on_every_manipulation_task(t
         assert (run_dir / "checkpoints" / "last" / "agent.json").exists()
         steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").open()]
         assert max(steps) >= 48
+    for algo, (extra, checkpoint_file) in CHUNK_OFF_POLICY.items():
+        run_dir = tmp_path / algo
+        assert main(["finetune", f"algo={algo}", "env_steps=32", f"run_dir={run_dir}", *common, *extra]) == 0, \
+            capsys.readouterr().err
+        assert (run_dir / "checkpoints" / "last" / checkpoint_file).exists()
