@@ -15,12 +15,8 @@ The MDP step is the executed action chunk a_{t:t+h} (h = n_action_steps of the b
   collecting chunks with mu and z ~ N(0, I), each batch `demo_fraction` demos and the rest online
   data, `utd_ratio` gradient steps per collected chunk transition.
 
-Rewards (algo.reward, auto = the task's success where it has one): a chunk's reward is the sum of
-its steps' rewards (envs.step_chunk); with the success reward a time limit is a failure (no
-bootstrap); a dense reward bootstraps a truncated chunk from a history of the final observation
-repeated (the steps before it belong to the finished episode's chunk).
-Demo transitions start at every step t of an episode whose next h actions are in the episode
-(a successful episode's last chunks end at its terminal step, padded with its last action).
+Rewards (algo.reward, auto = the task's success where it has one), chunk transitions from the
+env and from the demos: algos/chunks.py, shared with SAC Flow.
 
 `finetune(cfg, run, env, policy)` is `embodied-rl finetune algo=qc_fql`; configs/algo/qc_fql.yaml.
 """
@@ -31,19 +27,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from omegaconf import OmegaConf
-from torch import Tensor, nn
+from torch import Tensor
 
 from embodied_rl.actors import save_agent
-from embodied_rl.actors.base import HistoryEnv, layer_norm_mlp
 from embodied_rl.actors.qc_fql import AGENT_KIND, OneStepAgent, OneStepPolicy, one_step_config
-from embodied_rl.algos.common import FinetuneLoop, env_snapshot, reward_settings, training_reward
-from embodied_rl.algos.sac import dataset_obs, find_demo_path, random_pair_min
-from embodied_rl.envs.api import step_chunk
+from embodied_rl.algos.chunks import (
+    FIELDS,
+    ChunkCritic,
+    ChunkReplay,
+    ChunkRollout,
+    demo_chunk_transitions,
+    restore_generators,
+)
+from embodied_rl.algos.common import FinetuneLoop, reward_settings
+from embodied_rl.algos.sac import find_demo_path, random_pair_min
 from embodied_rl.errors import UserError
-from embodied_rl.policies.runner import ObsHistory, executed_actions, map_obs
+from embodied_rl.policies.runner import executed_actions
 
 
 @dataclass(frozen=True)
@@ -93,102 +94,6 @@ def validate_config(cfg: Any) -> None:
     """Called by `embodied-rl finetune` before any work."""
     QCFQLConfig.from_cfg(cfg.algo)
     reward_settings(cfg)
-
-
-# --------------------------------------------------------------------------------------------
-# The chunk critic and the replay of chunk transitions
-# --------------------------------------------------------------------------------------------
-
-
-class ChunkCritic(nn.Module):
-    """E LayerNorm critics Q(cond, executed chunk) -> [E, B]."""
-
-    def __init__(self, cond_dim: int, chunk_dim: int, hidden_sizes: list[int], ensemble: int):
-        super().__init__()
-        self.critics = nn.ModuleList(layer_norm_mlp(cond_dim + chunk_dim, 1, hidden_sizes) for _ in range(ensemble))
-
-    def forward(self, cond: Tensor, chunk: Tensor) -> Tensor:
-        x = torch.cat([cond, chunk.flatten(1)], dim=-1)
-        return torch.stack([q(x).squeeze(-1) for q in self.critics])
-
-
-FIELDS = ("cond", "chunk", "reward", "discount", "next_cond")
-
-
-class ChunkReplay:
-    """A circular buffer of chunk transitions (cond, executed chunk, reward, discount, next cond)."""
-
-    def __init__(self, capacity: int, cond_dim: int, chunk_shape: tuple[int, int], device: torch.device):
-        shapes = {"cond": (cond_dim,), "chunk": chunk_shape, "reward": (), "discount": (), "next_cond": (cond_dim,)}
-        self.data = {k: torch.zeros((int(capacity), *s), device=device) for k, s in shapes.items()}
-        self.capacity, self.size, self.pos = int(capacity), 0, 0
-
-    def add(self, batch: dict[str, Tensor]) -> None:
-        idx = (self.pos + torch.arange(len(batch["cond"]))) % self.capacity
-        for key in FIELDS:
-            self.data[key][idx.to(self.data[key].device)] = batch[key].to(self.data[key])
-        self.pos = (self.pos + len(idx)) % self.capacity
-        self.size = min(self.size + len(idx), self.capacity)
-
-    def sample(self, n: int, generator: torch.Generator) -> dict[str, Tensor]:
-        idx = torch.randint(0, self.size, (n,), generator=generator)
-        return {k: v[idx.to(v.device)] for k, v in self.data.items()}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"data": {k: v[: self.size].cpu() for k, v in self.data.items()},
-                "pos": torch.tensor(self.pos), "size": torch.tensor(self.size)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        size = int(state["size"])
-        if size > self.capacity:
-            raise UserError(f"the saved replay buffer holds {size} transitions, more than algo.buffer_size={self.capacity}")
-        for key, value in state["data"].items():
-            self.data[key][:size] = value.to(self.data[key])
-        self.pos, self.size = int(state["pos"]) % self.capacity, size
-
-
-@torch.no_grad()
-def demo_chunk_transitions(dataset: Any, policy: Any, gamma: float, success_terminates: bool, sparse: bool,
-                           device: torch.device) -> dict[str, Tensor]:
-    """Chunk transitions of a demo dataset (see the module docstring), with the chunk in the
-    policy's normalised action space and the obs histories encoded by the frozen policy."""
-    obs_all = dataset_obs(dataset, policy)
-    actions = torch.as_tensor(np.asarray(dataset.action), dtype=torch.float32)
-    rewards = torch.as_tensor(np.asarray(dataset.reward), dtype=torch.float32)
-    successes = np.asarray(dataset.episode_success, dtype=bool)
-    to, h = int(policy.n_obs_steps), int(policy.n_action_steps)
-    out: dict[str, list[Tensor]] = {k: [] for k in FIELDS}
-    for episode in range(dataset.num_episodes):
-        start, end = dataset.episode_bounds(episode)
-        length = end - start
-        terminal = bool(successes[episode]) and success_terminates
-        reward = torch.zeros(length) if sparse else rewards[start:end]
-        if sparse and bool(successes[episode]):
-            reward[-1] = 1.0
-        # a chunk may run past the end only where the episode ended in a terminal state
-        starts = torch.arange(length if terminal else length - h)
-        if len(starts) == 0:
-            continue
-        steps = starts[:, None] + torch.arange(h)[None]                      # [n, h]
-        inside = steps < length
-        clipped = steps.clamp(max=length - 1)
-        chunk = actions[start:end][clipped]                                  # the last action pads
-        chunk_reward = (reward[clipped] * inside).sum(1)
-        ended = ~inside.all(1) | (terminal & (steps[:, -1] == length - 1))
-        discount = torch.where(ended, torch.zeros(len(starts)), torch.full((len(starts),), gamma ** h))
-
-        def history(at: Tensor, first: int = start) -> Any:  # the obs histories ending at steps `at`
-            rows = (at[:, None] - torch.arange(to - 1, -1, -1)[None]).clamp(min=0) + first
-            return map_obs(lambda o: o[rows].to(policy.device), obs_all)
-
-        out["cond"].append(policy.encode_obs(history(starts)).to(device))
-        out["next_cond"].append(policy.encode_obs(history((starts + h).clamp(max=length - 1))).to(device))
-        out["chunk"].append(policy.normalize_action(chunk.to(policy.device)).clamp(-1, 1).to(device))
-        out["reward"].append(chunk_reward.to(device))
-        out["discount"].append(discount.to(device))
-    if not out["cond"]:
-        raise UserError(f"the demo dataset has no episode longer than a chunk ({h} steps)")
-    return {k: torch.cat(v) for k, v in out.items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,51 +227,28 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     if saved is None and algo.offline_updates:
         loop.run.log(0, {f"offline/{k.removeprefix('train/')}": v for k, v in stats.items()})
 
-    # ---- the env; the one-step policy acts on obs histories ----
-    history = ObsHistory(policy.n_obs_steps)
-    henv = HistoryEnv(env, history)
-    pending_updates = 0.0
-    if saved is None or saved["env"] is None:
-        henv.reset(seed=seed + loop.env_steps)
-    else:
-        env.set_state(saved["env"])
-        history.buffer = saved["history"]
+    # ---- the env, seen in chunks; the one-step policy acts on obs histories ----
+    rollout = ChunkRollout(env, policy, rewards, algo.gamma, device)
+    rollout.start(saved, seed + loop.env_steps)
     act_generator = torch.Generator(device=policy.device).manual_seed(seed + 3)  # z of the rollouts
+    generators = {"demo_generator": demo_generator, "replay_generator": replay_generator, "act_generator": act_generator}
+    pending_updates = 0.0
     if saved is not None:
         if "replay" in saved:  # absent with save_replay=false: the resumed run refills it
             replay.load_state_dict(saved["replay"])
-        for generator, key in ((demo_generator, "demo_generator"), (replay_generator, "replay_generator"),
-                               (act_generator, "act_generator")):
-            generator.set_state(saved[key])
+        restore_generators(saved, generators)
         pending_updates = float(saved["pending_updates"])
 
     def loop_state() -> dict[str, Any]:
-        return {"env": env_snapshot(env), "history": history.buffer, "replay": replay.state_dict(),
-                "demo_generator": demo_generator.get_state(), "replay_generator": replay_generator.get_state(),
-                "act_generator": act_generator.get_state(), "pending_updates": torch.tensor(pending_updates)}
-
-    def encoded_history() -> Tensor:
-        return policy.encode_obs(map_obs(lambda h: h.to(policy.device), history.get()))
+        return {**rollout.state(), "replay": replay.state_dict(), "pending_updates": torch.tensor(pending_updates),
+                **{name: generator.get_state() for name, generator in generators.items()}}
 
     loop.start(f"finetune {algo.name}")
     while loop.env_steps < loop.total_env_steps:
         with torch.no_grad():
-            cond = encoded_history()
-            normalized = learner.actor(cond, policy.initial_noise(num_envs, act_generator))
-            chunk = learner.executed(normalized)
-            _, reward, terminated, truncated, info = step_chunk(henv, learner.executed(policy.unnormalize_action(normalized)))
-            terminated, truncated = terminated.to(device), truncated.to(device)
-            next_cond = encoded_history()  # a finished env's history already holds its next episode
-            if rewards.bootstrap_truncation:  # ... so a truncated chunk bootstraps from its final observation
-                final = map_obs(lambda o: o[:, None].expand(-1, policy.n_obs_steps, *o.shape[1:]).to(policy.device),
-                                info["final_obs"])
-                next_cond = torch.where(truncated[:, None], policy.encode_obs(final), next_cond)
-                ends = terminated
-            else:
-                ends = terminated | truncated
-            discount = algo.gamma ** info["steps"].to(device).float() * (~ends).float()
-        replay.add({"cond": cond, "chunk": chunk, "reward": training_reward(reward, info, rewards.sparse).to(device),
-                    "discount": discount, "next_cond": next_cond})
+            cond = rollout.cond()
+            transition, info = rollout.step(cond, learner.actor(cond, policy.initial_noise(num_envs, act_generator)))
+        replay.add(transition)
         loop.advance(num_envs * chunk_shape[0], info)  # the batch steps every chunk step (envs.step_chunk)
 
         pending_updates += algo.utd_ratio * num_envs

@@ -11,7 +11,8 @@ of its Euler step (`policy.step_mean_std`, as Flow-SDE),
 so the chain has a tractable log-likelihood, log p = sum_i log N(x_{i+1}; mean_i, std_i^2),
 averaged over the executed chunk entries (per action dimension, like the other chain actors).
 It is reparameterised: the chunk is a differentiable function of the weights given the noise.
-SAC runs over executed chunks (one MDP step = n_action_steps env steps, as in QC-FQL):
+SAC runs over executed chunks (one MDP step = n_action_steps env steps; chunk transitions as in
+QC-FQL, algos/chunks.py):
 - critic: an ensemble of LayerNorm MLPs Q(s, a_{t:t+h}) on the frozen encoder's conditioning,
   target y = R + gamma^steps * (min_pair Qbar(s', a') - alpha * log p(a' chain | s')), a' drawn
   from the current chain;
@@ -37,15 +38,21 @@ import torch
 from omegaconf import OmegaConf
 from torch import Tensor, nn
 
-from embodied_rl.actors.base import HistoryEnv, gaussian_logprob
-from embodied_rl.algos.common import FinetuneLoop, env_snapshot, reward_settings, training_reward
-from embodied_rl.algos.qc_fql import FIELDS, ChunkCritic, ChunkReplay, demo_chunk_transitions
+from embodied_rl.actors.base import gaussian_logprob
+from embodied_rl.algos.chunks import (
+    FIELDS,
+    ChunkCritic,
+    ChunkReplay,
+    ChunkRollout,
+    demo_chunk_transitions,
+    restore_generators,
+)
+from embodied_rl.algos.common import FinetuneLoop, reward_settings
 from embodied_rl.algos.sac import find_demo_path, random_pair_min
-from embodied_rl.envs.api import step_chunk
 from embodied_rl.errors import UserError
 from embodied_rl.policies import PolicyRunner
 from embodied_rl.policies.checkpoint import write_policy_files
-from embodied_rl.policies.runner import ObsHistory, executed_actions, map_obs
+from embodied_rl.policies.runner import executed_actions
 
 
 @dataclass(frozen=True)
@@ -248,50 +255,28 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
 
     loop = FinetuneLoop(cfg, run, make_agent, policy.env_options())
     saved = loop.resume({"learner": learner}, learner.optimizers(), write_agent)
-    history = ObsHistory(policy.n_obs_steps)
-    henv = HistoryEnv(env, history)
+    rollout = ChunkRollout(env, policy, rewards, algo.gamma, device)
+    rollout.start(saved, seed + loop.env_steps)
+    generators = {"demo_generator": demo_generator, "replay_generator": replay_generator, "act_generator": act_generator}
     pending_updates = 0.0
-    if saved is None or saved["env"] is None:
-        henv.reset(seed=seed + loop.env_steps)
-    else:
-        env.set_state(saved["env"])
-        history.buffer = saved["history"]
     if saved is not None:
         if "replay" in saved:  # absent with save_replay=false: the resumed run refills it
             replay.load_state_dict(saved["replay"])
-        for generator, key in ((demo_generator, "demo_generator"), (replay_generator, "replay_generator"),
-                               (act_generator, "act_generator")):
-            generator.set_state(saved[key])
+        restore_generators(saved, generators)
         pending_updates = float(saved["pending_updates"])
 
     def loop_state() -> dict[str, Any]:
-        return {"env": env_snapshot(env), "history": history.buffer, "replay": replay.state_dict(),
-                "demo_generator": demo_generator.get_state(), "replay_generator": replay_generator.get_state(),
-                "act_generator": act_generator.get_state(), "pending_updates": torch.tensor(pending_updates)}
-
-    def encoded_history() -> Tensor:
-        return policy.encode_obs(map_obs(lambda h: h.to(policy.device), history.get()))
+        return {**rollout.state(), "replay": replay.state_dict(), "pending_updates": torch.tensor(pending_updates),
+                **{name: generator.get_state() for name, generator in generators.items()}}
 
     stats: dict[str, float] = {}
     loop.start(f"finetune {algo.name}")
     while loop.env_steps < loop.total_env_steps:
         with torch.no_grad():
-            cond = encoded_history()
+            cond = rollout.cond()
             normalized, _ = learner.chain.draw(cond, act_generator)  # the stochastic chain explores
-            chunk = executed_actions(policy, normalized.clamp(-1.0, 1.0))
-            _, reward, terminated, truncated, info = step_chunk(henv, executed_actions(policy, policy.unnormalize_action(normalized)))
-            terminated, truncated = terminated.to(device), truncated.to(device)
-            next_cond = encoded_history()  # a finished env's history already holds its next episode
-            if rewards.bootstrap_truncation:  # ... so a truncated chunk bootstraps from its final observation
-                final = map_obs(lambda o: o[:, None].expand(-1, policy.n_obs_steps, *o.shape[1:]).to(policy.device),
-                                info["final_obs"])
-                next_cond = torch.where(truncated[:, None], policy.encode_obs(final), next_cond)
-                ends = terminated
-            else:
-                ends = terminated | truncated
-            discount = algo.gamma ** info["steps"].to(device).float() * (~ends).float()
-        replay.add({"cond": cond, "chunk": chunk, "reward": training_reward(reward, info, rewards.sparse).to(device),
-                    "discount": discount, "next_cond": next_cond})
+            transition, info = rollout.step(cond, normalized)
+        replay.add(transition)
         loop.advance(num_envs * chunk_shape[0], info)  # the batch steps every chunk step (envs.step_chunk)
 
         pending_updates += algo.utd_ratio * num_envs
