@@ -4,7 +4,9 @@ off-policy learner stores those steps as demonstrations.
 
 Triggers (`algo.intervention_trigger`):
 - `stall`: the env's reward (the task's dense env reward, whatever the training reward) has not
-  risen above its best of the episode for `stall_steps` steps: the policy is stuck;
+  risen above its best of the episode for `stall_steps` steps of the policy's own control: the
+  policy is stuck (the steps the expert drives do not count, so after a takeover the policy gets
+  `stall_steps` steps to beat the best the expert reached);
 - `random`: each step, an env not already driven starts an intervention with probability `prob`.
 The counters restart with every episode. `state_dict()` holds every counter and the random
 trigger's generator, so a resumed run triggers exactly as the uninterrupted one.
@@ -48,7 +50,10 @@ class InterventionSchedule:
         reward, done = reward.detach().float().cpu(), done.cpu()
         improved = reward > self.best
         self.best = torch.where(improved, reward, self.best)
-        self.stalled = torch.where(improved, torch.zeros_like(self.stalled), self.stalled + 1)
+        # only the policy's own steps count towards a stall: once the expert lets go, the policy
+        # has stall_steps steps to improve on the best the expert reached
+        driven = self.remaining > 0
+        self.stalled = torch.where(improved | driven, torch.zeros_like(self.stalled), self.stalled + 1)
         self.remaining = (self.remaining - 1).clamp(min=0)
         self.best[done] = -torch.inf
         self.stalled[done] = 0
