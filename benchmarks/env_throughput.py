@@ -23,6 +23,13 @@ mujoco_warp on Warp's CPU device is slow and is measured at N <= 16 only; with -
 runs on the GPU at N up to 8192. `--pixels S` makes every step also render each env's S x S camera
 observation (obs_mode="pixels", the batched renderer of envs/render.py); the baselines step
 state only, so they are skipped then. The last line is one JSON object with the headline numbers.
+
+`--breakdown` (hopper, the model EnvPool's Hopper-v5 uses) answers where a step's time goes, on
+one thread each so that nothing overlaps: microseconds per env step of the physics alone (the raw
+loop above), of the mujoco backend's physics call (`_step_physics`: the physics plus the per-env
+Python of the thread loop: ctrl in, qpos/qvel/sensordata out, clocks), of the backend's whole
+`step` (plus the task's torch code, resets and episode statistics, once per batch), and of EnvPool
+called directly with one worker thread (the same physics driven from C++).
 """
 
 from __future__ import annotations
@@ -160,13 +167,14 @@ def sync_vector_env_rate(task_name: str, n: int, seconds: float) -> float:
     return vector_rate(vec, n, vec.action_space.shape, seconds)
 
 
-def envpool_direct_rate(env_id: str, n: int, seconds: float) -> float:
-    """Env steps per second of EnvPool called directly (numpy in, numpy out)."""
+def envpool_direct_rate(env_id: str, n: int, seconds: float, threads: int | None = None) -> float:
+    """Env steps per second of EnvPool called directly (numpy in, numpy out); `threads` worker
+    threads (default one per core)."""
     from embodied_rl.envs.backends.envpool import import_envpool
 
     envpool = import_envpool()  # mujoco first, as EnvPool's renderer needs
     pool = envpool.make(env_id, env_type="gymnasium", num_envs=n, batch_size=n, seed=0,
-                        num_threads=min(n, len(os.sched_getaffinity(0))))
+                        num_threads=threads or min(n, len(os.sched_getaffinity(0))))
     pool.reset()
     return vector_rate(pool, n, (n, *pool.action_space.shape), seconds)
 
@@ -174,6 +182,49 @@ def envpool_direct_rate(env_id: str, n: int, seconds: float) -> float:
 def rate_of(rows: list[dict[str, Any]], task: str, backend: str, n: int) -> float | None:
     match = [r["sps"] for r in rows if r["task"] == task and r["backend"] == backend and r["n"] == n]
     return match[0] if match else None
+
+
+def breakdown(task_name: str, ns: list[int], seconds: float) -> dict[str, Any]:
+    """Microseconds per env step, one thread each, of the layers of a step (module docstring)."""
+    raw, substeps = raw_mj_step_rate(task_name, seconds)
+    physics_us = 1e6 * substeps / raw
+    print(f"\n[{task_name}] microseconds per env step, one thread each (raw physics: {physics_us:.1f})")
+    print(f"{'N':>6} {'raw physics':>12} {'backend physics call':>21} {'backend step':>13}"
+          f" {'EnvPool direct':>15} {'Python per env':>15} {'task+torch per env':>19}")
+    result: dict[str, Any] = {"raw_physics_us": round(physics_us, 1), "n": {}}
+    for n in ns:
+        env = make_env(task_name, "mujoco_1thread", n, "cpu")
+        in_physics = {"s": 0.0}
+        step_physics = env._step_physics
+
+        def timed_physics(ctrl, step_physics=step_physics, in_physics=in_physics):
+            start = time.perf_counter()
+            unstable = step_physics(ctrl)
+            in_physics["s"] += time.perf_counter() - start
+            return unstable
+
+        env._step_physics = timed_physics
+        generator = torch.Generator().manual_seed(0)
+        actions = torch.rand(8, n, env.action_dim, generator=generator) * 2 - 1
+        env.reset(seed=0)
+        steps, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds * REPEATS or steps < 3:
+            env.step(actions[steps % 8])
+            steps += 1
+        step_us = 1e6 * (time.perf_counter() - start) / (steps * n)
+        call_us = 1e6 * in_physics["s"] / (steps * n)
+        env.close()
+        envpool_us = None
+        if task_name in ENVPOOL_IDS:
+            envpool_us = 1e6 / envpool_direct_rate(ENVPOOL_IDS[task_name], n, seconds, threads=1)
+        row = {"backend_physics_call_us": round(call_us, 1), "backend_step_us": round(step_us, 1),
+               "envpool_direct_us": None if envpool_us is None else round(envpool_us, 1),
+               "python_per_env_us": round(call_us - physics_us, 1), "task_torch_per_env_us": round(step_us - call_us, 1)}
+        result["n"][n] = row
+        envpool_cell = "-" if envpool_us is None else f"{envpool_us:.1f}"
+        print(f"{n:>6} {physics_us:>12.1f} {call_us:>21.1f} {step_us:>13.1f} {envpool_cell:>15}"
+              f" {call_us - physics_us:>15.1f} {step_us - call_us:>19.1f}", flush=True)
+    return result
 
 
 def make_env(task_name: str, backend: str, n: int, device: str, pixels: int = 0):
@@ -204,7 +255,14 @@ def main() -> None:
     parser.add_argument("--no-baselines", action="store_true", help="skip raw and SyncVectorEnv")
     parser.add_argument("--pixels", type=int, default=0,
                         help="render S x S camera observations every step (0: state only)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="microseconds per env step of each layer, one thread each (module docstring)")
     args = parser.parse_args()
+    if args.breakdown:
+        torch.set_num_threads(1)
+        print(json.dumps({task: breakdown(task, [int(n) for n in args.ns.split(",")], args.seconds)
+                          for task in args.tasks.split(",")}))
+        return
     if args.pixels:  # the baselines and EnvPool step state only
         args.no_baselines = True
 

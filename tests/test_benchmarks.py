@@ -121,6 +121,22 @@ def test_gpu_throughput_runs_on_warps_cpu_device(capsys, monkeypatch):
     assert all(value > 0 for value in row.values())
 
 
+def test_env_throughput_breakdown_splits_a_step_into_its_layers(capsys, monkeypatch):
+    bench = load_benchmark("env_throughput")
+    monkeypatch.setattr(bench, "REPEATS", 1)
+    monkeypatch.setattr(sys, "argv", ["env_throughput.py", "--breakdown", "--tasks", "hopper", "--ns", "2",
+                                      "--seconds", "0.05"])
+    bench.main()
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])["hopper"]
+    row = result["n"]["2"]
+    # the backend's step contains its physics call; the shares are the differences of the layers
+    assert 0 < result["raw_physics_us"] and 0 < row["backend_physics_call_us"] < row["backend_step_us"]
+    assert abs(row["python_per_env_us"] - (row["backend_physics_call_us"] - result["raw_physics_us"])) < 0.15
+    assert abs(row["task_torch_per_env_us"] - (row["backend_step_us"] - row["backend_physics_call_us"])) < 0.15
+    assert row["envpool_direct_us"] > 0
+
+
 def test_lm_table_runs_embodied_rl_grpo_from_a_pretrained_checkpoint(tmp_path, capsys):
     bench = load_benchmark("lm_table")
     summary = bench.main(["--skip-trl", "--sft-steps", "10", "--steps", "2", "--prompts", "2", "--group-size", "2",
