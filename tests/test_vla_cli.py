@@ -1,11 +1,13 @@
 """The vla policy through the CLI on the tabletop suite, at tiny scale (shapes, resets and
 checkpoints are under test, not learning): collect pixels + proprioception + instructions, multi-task
 BC, fine-tuning with Flow-Noise (reinflow), Flow-SDE, GRPO, residual PPO, DSRL and residual TD3,
-eval on the held-out combinations, eval with any English instruction, and bad input."""
+eval on the held-out combinations, eval with any English instruction or with the instructions
+shuffled across envs, and bad input."""
 
 import json
 
 import pytest
+import torch
 
 from embodied_rl.cli import main
 from embodied_rl.envs.tasks.tabletop import HELD_OUT
@@ -81,14 +83,80 @@ def test_eval_on_held_out_combinations_and_with_any_instruction(bc, tmp_path, ca
     assert info["per_episode"][0]["instruction"] != "please lift the red block"  # success: the env's own
 
 
+def test_eval_with_instructions_shuffled_across_envs(bc, tmp_path, capsys):
+    common = ["task=tabletop", f"checkpoint={bc}", "episodes=4", "num_envs=4", "videos=0", "seed=3"]
+    for name, extra in (("real", []), ("shuffled", ["instruction_shuffle=true"]),
+                        ("shuffled_again", ["instruction_shuffle=true"])):
+        assert main(["eval", *common, *extra, f"run_dir={tmp_path / name}"]) == 0, capsys.readouterr().err
+    real, shuffled, again = (json.loads((tmp_path / name / "eval_info.json").read_text())
+                             for name in ("real", "shuffled", "shuffled_again"))
+    assert shuffled["instruction_shuffle"] is True and "instruction_shuffle" not in real
+    # the same episodes (each env scores its own instruction), and the same numbers for the same seed
+    assert [e["instruction"] for e in shuffled["per_episode"]] == [e["instruction"] for e in real["per_episode"]]
+    assert shuffled["per_episode"] == again["per_episode"]
+
+
+def test_shuffled_instructions_read_another_envs_for_a_whole_episode():
+    from embodied_rl.commands.evaluate import ShufflesInstructions
+
+    class Recorder:
+        def reset(self, mask):
+            pass
+
+        def act(self, obs):
+            self.read = obs["instruction"].clone()
+            return torch.zeros(len(obs["instruction"]), 4)
+
+    agent = ShufflesInstructions(Recorder(), num_envs=5)
+    agent.seed(3)
+    partner = agent.partner.clone()
+    visited, env = {0}, int(partner[0])  # one cycle through every env: no env reads its own
+    while env != 0:
+        visited.add(env)
+        env = int(partner[env])
+    assert visited == set(range(5))
+    agent.reset(torch.ones(5, dtype=torch.bool))
+    own = torch.tensor([10, 11, 12, 13, 14])
+    agent.act({"instruction": own})
+    assert agent.agent.read.tolist() == own[partner].tolist()
+    # env 2's partner starts a new episode: env 2 keeps what it read until its own episode ends
+    changed = own.clone()
+    changed[partner[2]] = 7
+    agent.act({"instruction": changed})
+    assert agent.agent.read[2] == own[partner[2]]
+    agent.reset(torch.tensor([False, False, True, False, False]))
+    agent.act({"instruction": changed})
+    assert agent.agent.read[2] == 7
+    agent.seed(3)  # the same seed, the same partners
+    assert agent.partner.tolist() == partner.tolist()
+
+
 def test_bad_input_stops_with_one_line(bc, tmp_path, capsys):
     capsys.readouterr()
     for args, message in (
         (["eval", f"checkpoint={bc}", "instruction=''"], "instruction must be a non-empty string"),
         (["eval", f"checkpoint={bc}", "task=tabletop", "task.templates=[pick,juggle]"],
          "unknown instruction template 'juggle'"),
+        (["eval", f"checkpoint={bc}", "instruction=touch the white pad", "instruction_shuffle=true"],
+         "exclude each other"),
+        (["eval", f"checkpoint={bc}", "instruction_shuffle=maybe"], "bad value for 'instruction_shuffle'"),
+        (["eval", f"checkpoint={bc}", "instruction_shuffle=true", "episodes=1"], "needs at least 2 envs"),
     ):
         assert main([*args, f"run_dir={tmp_path / 'bad'}"]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
         assert not (tmp_path / "bad").exists()
+
+
+def test_instruction_shuffle_refuses_a_policy_that_reads_no_instructions(tmp_path, capsys):
+    from embodied_rl.policies import make_policy, save_policy
+
+    policy = make_policy("flow", obs_dim=8, action_dim=2, n_obs_steps=2, horizon=4, n_action_steps=2,
+                         num_inference_steps=2, task="reach", backbone_kwargs=dict(hidden_dim=16, num_blocks=1, time_dim=8))
+    save_policy(policy, tmp_path / "flow")
+    capsys.readouterr()
+    assert main(["eval", f"checkpoint={tmp_path / 'flow'}", "instruction_shuffle=true", "episodes=2",
+                 f"run_dir={tmp_path / 'bad'}"]) == 2
+    err = capsys.readouterr().err
+    assert "instruction_shuffle=true needs a checkpoint whose policy reads instructions" in err
+    assert "Traceback" not in err and not (tmp_path / "bad").exists()

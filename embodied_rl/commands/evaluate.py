@@ -9,6 +9,11 @@ recorded in the checkpoint is used; a `task=` that differs from it is an error.
 every env instead of the env's own, encoded on the fly by the policy's text encoder: language
 ablations and paraphrases. Success is still judged on each env's own instruction, which the
 per-episode records keep; eval_info.json adds "policy_instruction".
+
+`instruction_shuffle=true` (a checkpoint whose policy reads instructions) makes each env's policy
+read the instruction another env was given (a seeded random cycle over the envs, drawn every
+round): a language ablation on the very episodes of the same eval without it. eval_info.json adds
+"instruction_shuffle": true.
 """
 
 from __future__ import annotations
@@ -36,6 +41,11 @@ def validate(cfg: DictConfig) -> Path:
     instruction = cfg.get("instruction")
     if instruction is not None and (not isinstance(instruction, str) or not instruction.strip()):
         raise UserError(f"instruction must be a non-empty string, got {instruction!r}")
+    shuffle = bool(cfg.get("instruction_shuffle"))  # the config types it: true | false (or null)
+    if shuffle and instruction is not None:
+        raise UserError("instruction= and instruction_shuffle=true exclude each other: pick one")
+    if shuffle and min(int(cfg.num_envs), int(cfg.episodes)) < 2:
+        raise UserError("instruction_shuffle=true needs at least 2 envs (num_envs and episodes >= 2)")
     return path
 
 
@@ -69,6 +79,55 @@ def read_instruction(agent: Any, text: str) -> ReadsInstruction:
         raise UserError("instruction= needs a vla checkpoint (its policy encodes new instructions)")
     ids = {policy.add_instruction(text) for policy in policies.values()}
     return ReadsInstruction(agent, ids.pop())
+
+
+class ShufflesInstructions:
+    """An agent whose policy, in each env, reads the instruction another env was given; the env
+    still scores its own. Every round (`seed`, which evaluate calls with the round's seed) draws a
+    random cycle over the envs, so no env is its own partner; an env that starts an episode reads
+    its partner's instruction at that first step until the episode ends. The counted episodes all
+    start together, at the round's reset, so they read a permutation of the round's instructions."""
+
+    def __init__(self, agent: Any, num_envs: int):
+        import torch
+
+        self.agent = agent
+        self.generator = torch.Generator().manual_seed(0)
+        self.partner = torch.arange(num_envs).roll(1)  # replaced by a random cycle at every seed()
+        self.starting = torch.ones(num_envs, dtype=torch.bool)  # envs whose next step starts an episode
+        self.read: Any = None  # [N] the instruction id each env's policy reads in its episode
+
+    def seed(self, seed: int) -> None:
+        import torch
+
+        from embodied_rl.eval.evaluate import seed_agent
+
+        self.generator.manual_seed(seed)
+        order = torch.randperm(len(self.partner), generator=self.generator)
+        self.partner[order] = order.roll(-1)  # one cycle through every env: order[k] reads order[k + 1]
+        seed_agent(self.agent, seed)
+
+    def reset(self, mask: Any) -> None:
+        self.starting |= mask.cpu()
+        self.agent.reset(mask)
+
+    def act(self, obs: dict[str, Any]) -> Any:
+        import torch
+
+        own = obs["instruction"]
+        partners = own[self.partner.to(own.device)]
+        starting = self.starting.to(own.device)
+        self.read = partners.clone() if self.read is None else torch.where(starting, partners, self.read)
+        self.starting[:] = False
+        return self.agent.act({**obs, "instruction": self.read.clone()})
+
+
+def shuffle_instructions(agent: Any, policy: Any, num_envs: int) -> ShufflesInstructions:
+    """`agent`, made to read shuffled instructions; refused for a policy that reads none."""
+    if not getattr(policy, "instructions", None):
+        raise UserError("instruction_shuffle=true needs a checkpoint whose policy reads instructions "
+                        f"(a language-conditioned policy such as vla); this {policy.policy_type} policy reads none")
+    return ShufflesInstructions(agent, num_envs)
 
 
 def load_checkpoint(path: Path, device: str = "cpu") -> Any:
@@ -124,6 +183,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         agent = PolicyRunner(policy, num_envs)  # evaluate() reseeds its generator every round
     if cfg.get("instruction") is not None:
         agent = read_instruction(agent, str(cfg.instruction))
+    if cfg.get("instruction_shuffle"):
+        agent = shuffle_instructions(agent, policy, num_envs)
 
     if OmegaConf.select(cfg, "task.name", default=None) is None:
         with open_dict(cfg):  # record the task taken from the checkpoint in config.yaml
@@ -146,6 +207,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         "backend": envs.resolve_backend(task, cfg.backend),
         "device": str(cfg.device),
         **({"policy_instruction": str(cfg.instruction)} if cfg.get("instruction") is not None else {}),
+        **({"instruction_shuffle": True} if cfg.get("instruction_shuffle") else {}),
         **eval_info,
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
