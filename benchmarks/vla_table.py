@@ -1,0 +1,349 @@
+"""VLA benchmark on the language-conditioned suite `tabletop` (64x64 pixels + instruction).
+
+    OMP_NUM_THREADS=1 MUJOCO_GL=egl python benchmarks/vla_table.py --out runs/vla_table
+
+Stages, each an `embodied-rl` command in its own run directory under --out; a finished stage is
+reused, so an interrupted table resumes (an interrupted fine-tuning run resumes from its last
+checkpoint):
+
+ 1. collect     --demos expert demos at --quality with --image-size frames (the seen instructions;
+                at most 50 per instruction on average, the issue's cap for BC)
+ 2. pretrain    policy=vla obs=pixels, --pretrain-steps steps at batch --batch-size
+ 3. eval BC     on the seen instructions (--eval-episodes) and on the held-out cube/pad
+                combinations (task.instruction_split=held_out, --held-out-episodes)
+ 4. finetune    from the BC checkpoint with each of --algos (--env-steps on --num-envs envs, a
+                curve every --eval-every env steps), then eval of its last checkpoint on seen and
+                held-out
+ 5. ablation    eval of every checkpoint (BC and fine-tuned) on the seen episodes with
+                instruction_shuffle=true: each env's policy reads another env's instruction, the
+                env scores its own (the same episodes as the seen evaluation)
+ 6. speed       chunks/s of the BC policy's predict_chunk on a batch of --speed-batch observation
+                histories, one thread
+
+Every evaluation of one split uses the same eval seed and envs, so the checkpoints are compared
+on the same episodes. Success per instruction comes from eval_info.json's
+overall.success_by_instruction; an average is the mean over instructions (each instruction weighs
+the same, however many episodes drew it). The issue's targets are printed beside the numbers.
+The last line printed is one JSON object with the headline numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from finetune_table import _cli, _finished, _metrics, _overall, overrides_for  # noqa: E402
+
+MAX_DEMOS_PER_INSTRUCTION = 50  # the issue's cap on BC data
+TARGET_BC = 0.60  # BC average on the seen instructions
+TARGET_RL = 0.95  # RL average on the seen instructions ...
+TARGET_RL_WALL_S = 2 * 3600  # ... within 2 hours of training
+SPLITS = ("seen", "held_out", "shuffled")
+SPLIT_OVERRIDES = {"seen": [], "held_out": ["task.instruction_split=held_out"], "shuffled": ["instruction_shuffle=true"]}
+
+
+def seen_and_held_out() -> tuple[list[str], list[str]]:
+    from embodied_rl.envs.tasks.tabletop import HELD_OUT, INSTRUCTIONS
+
+    return [text for text in INSTRUCTIONS if text not in HELD_OUT], list(HELD_OUT)
+
+
+# ---------------------------------------------------------------------------- stages 1-2: BC
+def collect(root: Path, args) -> dict:
+    """Stage 1: the demos (reused when collect_info.json exists); wall time and demos per instruction."""
+    run_dir = root / "collect"
+    if not (run_dir / "collect_info.json").exists():
+        shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted collect
+        _cli(["collect", "task=tabletop", "pixels=true", f"image_size={args.image_size}", f"demos={args.demos}",
+              f"quality={args.quality}", f"num_envs={args.collect_envs}", f"seed={args.seed}", f"run_dir={run_dir}"])
+    info = json.loads((run_dir / "collect_info.json").read_text())
+    return {"dataset": info["dataset"], "demos": info["episodes_written"], "wall_s": info["wall_time_s"],
+            "per_instruction": demos_per_instruction(Path(info["dataset"]))}
+
+
+def demos_per_instruction(dataset: Path) -> dict[str, int]:
+    """{instruction text: demos} from the first step of each episode of a demo dataset."""
+    import zarr
+
+    root = zarr.open_group(str(dataset), mode="r")
+    ends = root["meta"]["episode_ends"][:]
+    first_steps = [0, *ends[:-1].tolist()]
+    ids = root["data"]["instruction"][:][first_steps]
+    texts = list(root.attrs["instructions"])
+    counts = {text: 0 for text in seen_and_held_out()[0]}
+    for instruction in ids.tolist():
+        counts[texts[instruction]] = counts.get(texts[instruction], 0) + 1
+    return counts
+
+
+def pretrain(root: Path, dataset: str, args) -> dict:
+    """Stage 2: behaviour cloning of the vla (reused when its last checkpoint exists)."""
+    run_dir = root / "pretrain"
+    if not (run_dir / "checkpoints" / "last").exists():
+        shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted pretrain
+        _cli(["pretrain", "task=tabletop", "policy=vla", "obs=pixels", f"data={dataset}",
+              f"steps={args.pretrain_steps}", f"batch_size={args.batch_size}", "policy.warmup_steps=100",
+              "eval_episodes=0", "videos=0", f"seed={args.seed}", f"run_dir={run_dir}", *args.pretrain_set])
+    last = [r for r in _metrics(run_dir) if "train/steps_per_s" in r][-1]
+    return {"checkpoint": run_dir / "checkpoints" / "last", "steps": last["step"],
+            "wall_s": last["step"] / last["train/steps_per_s"]}
+
+
+# ---------------------------------------------------------------------------- stages 3-5: evaluations
+def evaluate_split(checkpoint: Path, run_dir: Path, split: str, args) -> dict:
+    """`embodied-rl eval` of a checkpoint on one split (seen, held_out, or seen with the instructions
+    shuffled), reused when finished: the average over instructions, success rate and episodes per
+    instruction, the overall success rate and the evaluation loop's wall time."""
+    episodes = args.held_out_episodes if split == "held_out" else args.eval_episodes
+    if not (run_dir / "eval_info.json").exists():
+        shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted evaluation
+        _cli(["eval", "task=tabletop", f"checkpoint={checkpoint}", f"episodes={episodes}",
+              f"num_envs={min(args.eval_envs, episodes)}", "videos=0", f"seed={args.eval_seed}",
+              f"run_dir={run_dir}", *SPLIT_OVERRIDES[split]])
+    overall = _overall(run_dir)
+    by_instruction = overall["success_by_instruction"]
+    rates = {text: entry["success_rate"] for text, entry in by_instruction.items()}
+    return {"average": sum(rates.values()) / len(rates), "by_instruction": rates,
+            "episodes_by_instruction": {text: entry["n_episodes"] for text, entry in by_instruction.items()},
+            "success_rate": overall["success_rate"], "eval_s": overall["eval_s"]}
+
+
+def evaluate_checkpoint(checkpoint: Path, eval_dir: Path, args) -> dict:
+    """Stages 3-5 for one checkpoint: seen, held-out and shuffled-instruction success."""
+    return {split: evaluate_split(checkpoint, eval_dir / split, split, args) for split in SPLITS}
+
+
+# ---------------------------------------------------------------------------- stage 4: fine-tuning
+def finetune(algo: str, checkpoint: Path, root: Path, args) -> dict:
+    """Stage 4: `embodied-rl finetune` from the BC checkpoint (a finished run is reused, an
+    unfinished one resumes and its evaluations are redone); the curve's first evaluation at
+    >= --target gives the env steps and training wall time to it."""
+    run_dir = root / algo / "finetune"
+    if not _finished(run_dir, args.env_steps):
+        shutil.rmtree(root / algo / "eval", ignore_errors=True)  # evaluations of an unfinished run: stale
+        _cli(["finetune", "task=tabletop", f"algo={algo}", f"checkpoint={checkpoint}", f"seed={args.seed}",
+              f"env_steps={args.env_steps}", f"num_envs={args.num_envs}", f"eval_every={args.eval_every}",
+              f"eval_episodes={args.curve_episodes}", "videos=0", f"run_dir={run_dir}",
+              *overrides_for(algo, args.set)])
+    metrics = _metrics(run_dir)
+    curve = [r for r in metrics if "eval/success_rate" in r]
+    reached = next((r for r in curve if r["eval/success_rate"] >= args.target), None)
+    return {"checkpoint": run_dir / "checkpoints" / "last",
+            "env_steps": max(r["step"] for r in metrics),
+            "train_wall_s": [r["train/wall_s"] for r in metrics if "train/wall_s" in r][-1],  # over resumed parts
+            "curve": [[r["step"], r["eval/success_rate"]] for r in curve],
+            "steps_to_target": None if reached is None else reached["step"],
+            "wall_to_target": None if reached is None else reached.get("eval/train_wall_s")}
+
+
+# ---------------------------------------------------------------------------- stage 6: inference speed
+def inference_speed(checkpoint: Path, root: Path, args) -> dict:
+    """Stage 6: the BC policy's predict_chunk on --speed-batch observation histories (random
+    frames, proprioception and instructions: the cost does not depend on them), one thread, for
+    --speed-seconds after one warm-up call. Reused from speed.json when measured before."""
+    result_file = root / "speed.json"
+    if result_file.exists():
+        return json.loads(result_file.read_text())
+    from embodied_rl.policies import load_policy
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        policy = load_policy(checkpoint).eval()
+        batch, history = args.speed_batch, policy.n_obs_steps
+        height, width = policy.config["image_shape"]
+        generator = torch.Generator().manual_seed(0)
+        obs = {"state": torch.rand(batch, history, policy.obs_dim, generator=generator),
+               "pixels": torch.randint(0, 256, (batch, history, height, width, 3), dtype=torch.uint8,
+                                       generator=generator),
+               "instruction": torch.randint(len(policy.instructions), (batch, history), generator=generator)}
+        with torch.inference_mode():
+            policy.predict_chunk(obs, generator=generator)  # warm-up: first-call allocations
+            calls, start = 0, time.perf_counter()
+            while calls < 3 or time.perf_counter() - start < args.speed_seconds:
+                policy.predict_chunk(obs, generator=generator)
+                calls += 1
+            elapsed = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
+    chunks_per_s = batch * calls / elapsed
+    result = {"batch": batch, "threads": 1, "calls_per_s": calls / elapsed, "chunks_per_s": chunks_per_s,
+              "actions_per_s": chunks_per_s * policy.n_action_steps, "num_inference_steps": policy.num_inference_steps,
+              "image_size": [height, width]}
+    result_file.write_text(json.dumps(result))
+    return result
+
+
+# ---------------------------------------------------------------------------- the table
+def table(args) -> dict:
+    root = Path(args.out)
+    demos = collect(root, args)
+    bc = pretrain(root, demos["dataset"], args)
+    rows = {"bc": evaluate_checkpoint(bc["checkpoint"], root / "bc_eval", args)}
+    runs = {}
+    for algo in args.algos:
+        runs[algo] = finetune(algo, bc["checkpoint"], root, args)
+        rows[algo] = evaluate_checkpoint(runs[algo]["checkpoint"], root / algo / "eval", args)
+    speed = inference_speed(bc["checkpoint"], root, args)
+
+    print_success(rows, args)
+    targets = check_targets(rows, runs)
+    print_targets(targets, rows, runs)
+    stages = stage_times(demos, bc, rows, runs)
+    print_stages(stages, demos, bc, runs, speed)
+    return headline(demos, rows, runs, targets, stages, speed)
+
+
+def print_success(rows: dict, args) -> None:
+    """Per instruction, each checkpoint's success with the real instruction and with the shuffled
+    ones (shuffled: the seen episodes only), then the averages."""
+    seen, held_out = seen_and_held_out()
+    print(f"\nSuccess per instruction: rate (episodes). Seen: {args.eval_episodes} episodes per column; held-out: "
+          f"{args.held_out_episodes}; 'shuf': the seen episodes with each env's policy reading another env's "
+          f"instruction. Eval seed {args.eval_seed}: the same episodes in every column of a split.")
+    columns = [(name, kind) for name in rows for kind in ("real", "shuf")]
+    print(f"{'instruction':<38}" + "".join(f" {name if kind == 'real' else name + ' shuf':>14}"
+                                           for name, kind in columns))
+    for split, texts in (("seen", seen), ("held_out", held_out)):
+        # the shuffled evaluation ran on the seen split only
+        results = [rows[name][split if kind == "real" else "shuffled"] if kind == "real" or split == "seen" else None
+                   for name, kind in columns]
+        for text in texts:
+            cells = ["-" if r is None or text not in r["by_instruction"]
+                     else f"{r['by_instruction'][text]:.2f} ({r['episodes_by_instruction'][text]})" for r in results]
+            print(f"{text:<38}" + "".join(f" {c:>14}" for c in cells))
+        averages = ["-" if r is None else f"{r['average']:.2f}" for r in results]
+        print(f"{'average, ' + split.replace('_', '-'):<38}" + "".join(f" {c:>14}" for c in averages))
+
+
+def check_targets(rows: dict, runs: dict) -> dict:
+    """The issue's targets: BC seen average >= 60%; each RL method lifts the seen average to >= 95%
+    within 2 hours of training with no instruction below its BC rate; held-out above BC; shuffled
+    instructions far below the real ones (here: below half of them)."""
+    bc = rows["bc"]
+    targets = {"bc_seen": bc["seen"]["average"] >= TARGET_BC,
+               "bc_shuffled_far_below": bc["shuffled"]["average"] < 0.5 * bc["seen"]["average"]}
+    for algo, run in runs.items():
+        seen = rows[algo]["seen"]
+        below = [text for text, rate in seen["by_instruction"].items() if rate < bc["seen"]["by_instruction"].get(text, 0.0)]
+        targets[algo] = {
+            "seen_95_within_2h": seen["average"] >= TARGET_RL and run["train_wall_s"] <= TARGET_RL_WALL_S,
+            "below_bc": below,
+            "none_below_bc": not below,
+            "held_out_above_bc": rows[algo]["held_out"]["average"] > bc["held_out"]["average"],
+            "shuffled_far_below": rows[algo]["shuffled"]["average"] < 0.5 * seen["average"],
+        }
+    return targets
+
+
+def print_targets(targets: dict, rows: dict, runs: dict) -> None:
+    def met(flag: bool) -> str:
+        return "met" if flag else "NOT met"
+
+    bc = rows["bc"]
+    print("\nIssue targets (averages over instructions):")
+    print(f"  BC seen average >= {TARGET_BC:.0%}: {bc['seen']['average']:.2f} {met(targets['bc_seen'])}")
+    print(f"  BC shuffled far below real (< half): {bc['shuffled']['average']:.2f} vs {bc['seen']['average']:.2f} "
+          f"{met(targets['bc_shuffled_far_below'])}")
+    for algo, run in runs.items():
+        t, row = targets[algo], rows[algo]
+        reached = ("never" if run["steps_to_target"] is None
+                   else f"at {run['steps_to_target']} env steps, {run['wall_to_target'] or 0:.0f} s")
+        print(f"  {algo}: seen average >= {TARGET_RL:.0%} within {TARGET_RL_WALL_S / 3600:.0f} h of training: "
+              f"{row['seen']['average']:.2f} after {run['train_wall_s']:.0f} s {met(t['seen_95_within_2h'])} "
+              f"(curve first at the target: {reached})")
+        below = ", ".join(f"{text} {row['seen']['by_instruction'][text]:.2f} < {bc['seen']['by_instruction'][text]:.2f}"
+                          for text in t["below_bc"]) or "none"
+        print(f"  {algo}: no instruction below its BC rate: {met(t['none_below_bc'])} (below: {below})")
+        print(f"  {algo}: held-out above BC: {row['held_out']['average']:.2f} vs {bc['held_out']['average']:.2f} "
+              f"{met(t['held_out_above_bc'])}")
+        print(f"  {algo}: shuffled far below real (< half): {row['shuffled']['average']:.2f} vs "
+              f"{row['seen']['average']:.2f} {met(t['shuffled_far_below'])}")
+
+
+def stage_times(demos: dict, bc: dict, rows: dict, runs: dict) -> dict:
+    """Wall seconds per stage: collect and pretrain (training loop), each fine-tuning run's training
+    (over resumed parts), and each evaluation loop."""
+    stages = {"collect": demos["wall_s"], "pretrain": bc["wall_s"]}
+    for name, row in rows.items():
+        if name != "bc":
+            stages[f"finetune {name}"] = runs[name]["train_wall_s"]
+        for split in SPLITS:
+            stages[f"eval {name} {split}"] = row[split]["eval_s"]
+    return stages
+
+
+def print_stages(stages: dict, demos: dict, bc: dict, runs: dict, speed: dict) -> None:
+    counts = demos["per_instruction"]
+    print(f"\nDemos: {demos['demos']} ({min(counts.values())}-{max(counts.values())} per seen instruction); "
+          f"BC: {bc['steps']} steps; fine-tuning: "
+          + ", ".join(f"{algo} {run['env_steps']} env steps" for algo, run in runs.items()))
+    print(f"{'stage':<36} {'wall s':>8}")
+    for stage, seconds in stages.items():
+        print(f"{stage:<36} {seconds:>8.0f}")
+    print(f"VLA inference (predict_chunk, batch {speed['batch']}, 1 thread, K={speed['num_inference_steps']}, "
+          f"{speed['image_size'][0]}x{speed['image_size'][1]}): {speed['chunks_per_s']:.0f} chunks/s "
+          f"({speed['calls_per_s']:.2f} batched calls/s, {speed['actions_per_s']:.0f} actions/s)")
+
+
+def headline(demos: dict, rows: dict, runs: dict, targets: dict, stages: dict, speed: dict) -> dict:
+    result = {"demos": demos["demos"], "demos_per_instruction": demos["per_instruction"]}
+    for name, row in rows.items():
+        result[name] = {**{split: row[split]["average"] for split in SPLITS},
+                        "by_instruction": {split: row[split]["by_instruction"] for split in SPLITS}}
+        if name in runs:
+            run = runs[name]
+            result[name].update(env_steps=run["env_steps"], train_wall_s=run["train_wall_s"], curve=run["curve"],
+                                steps_to_target=run["steps_to_target"], wall_to_target=run["wall_to_target"])
+    result.update(targets=targets, stage_wall_s=stages, chunks_per_s=speed["chunks_per_s"], speed=speed)
+    return result
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--demos", type=int, default=300, help="expert demos (the recorded BC: 300, 25 per seen "
+                        f"instruction); at most {MAX_DEMOS_PER_INSTRUCTION} per seen instruction")
+    parser.add_argument("--quality", type=float, default=0.5, help="expert quality of the demos")
+    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--collect-envs", type=int, default=32)
+    parser.add_argument("--pretrain-steps", type=int, default=3000)
+    parser.add_argument("--batch-size", type=int, default=64, help="BC batch size")
+    parser.add_argument("--pretrain-set", nargs="*", default=[], help="pretrain overrides (policy.mlp.hidden_dim=16)")
+    parser.add_argument("--algos", nargs="*", default=["flow_sde", "residual_offpolicy"],
+                        help="fine-tuning methods (configs/algo/); none (a bare --algos) gives the BC rows only")
+    parser.add_argument("--env-steps", type=int, default=300000, help="fine-tuning env steps per method")
+    parser.add_argument("--num-envs", type=int, default=64, help="fine-tuning envs")
+    parser.add_argument("--eval-every", type=int, default=50000, help="env steps between curve evaluations")
+    parser.add_argument("--curve-episodes", type=int, default=60, help="episodes per curve evaluation")
+    parser.add_argument("--target", type=float, default=TARGET_RL, help="curve success whose first crossing is timed")
+    parser.add_argument("--set", nargs="*", default=[],
+                        help="finetune overrides: key=value for every algo, ALGO:key=value for one")
+    parser.add_argument("--eval-episodes", type=int, default=120, help="episodes on the seen instructions "
+                        "(and with them shuffled)")
+    parser.add_argument("--held-out-episodes", type=int, default=60)
+    parser.add_argument("--eval-envs", type=int, default=60)
+    parser.add_argument("--eval-seed", type=int, default=1000)
+    parser.add_argument("--speed-batch", type=int, default=64)
+    parser.add_argument("--speed-seconds", type=float, default=10.0)
+    parser.add_argument("--seed", type=int, default=0, help="collect, pretrain and finetune seed")
+    parser.add_argument("--out", default="runs/vla_table", help="run directories; finished stages are reused")
+    args = parser.parse_args(argv)
+    max_demos = MAX_DEMOS_PER_INSTRUCTION * len(seen_and_held_out()[0])
+    if not 1 <= args.demos <= max_demos:
+        parser.error(f"--demos must be in [1, {max_demos}] ({MAX_DEMOS_PER_INSTRUCTION} per seen instruction), "
+                     f"got {args.demos}")
+    if min(args.eval_episodes, args.eval_envs) < 2:
+        parser.error("--eval-episodes and --eval-envs must be >= 2 (the shuffled evaluation pairs envs)")
+    return args
+
+
+if __name__ == "__main__":
+    print(json.dumps(table(parse_args())))
