@@ -137,18 +137,63 @@ def test_env_throughput_breakdown_splits_a_step_into_its_layers(capsys, monkeypa
     assert row["envpool_direct_us"] > 0
 
 
-def test_lm_table_runs_embodied_rl_grpo_from_a_pretrained_checkpoint(tmp_path, capsys):
+def test_lm_table_runs_every_algorithm_from_one_sft_checkpoint_with_curves(tmp_path, capsys):
+    import embodied_rl.algos.common as common
+
     bench = load_benchmark("lm_table")
-    summary = bench.main(["--skip-trl", "--sft-steps", "10", "--steps", "2", "--prompts", "2", "--group-size", "2",
-                          "--eval-problems", "8", "--run-eval-problems", "2", "--out", str(tmp_path)])
+    summary = bench.main(["--skip-trl", "--task", "lm/addition", "--sft-steps", "10", "--steps", "4",
+                          "--curve-every", "1", "--prompts", "2", "--group-size", "2", "--eval-problems", "8",
+                          "--run-eval-problems", "2", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert json.loads(out.strip().splitlines()[-1]) == json.loads(json.dumps(summary))
-    assert set(summary["rows"]) == {"sft", "embodied_rl"}
-    row = summary["rows"]["embodied_rl"]
-    assert row["n_problems"] == summary["rows"]["sft"]["n_problems"] == 8  # the same held-out problems
-    assert row["step_s"] > 0 and row["wall_s"] > row["step_s"] and 0.0 <= row["pass@1"] <= 1.0
-    assert (tmp_path / "embodied_rl" / "checkpoints" / "last" / "model.safetensors").is_file()
+    assert list(summary["tasks"]) == ["lm/addition"]
+    task = summary["tasks"]["lm/addition"]
+    assert list(task["rows"]) == ["grpo", "rloo", "reinforce_pp", "ppo"] and "grpo_vs_trl" not in task
+    for algo, row in task["rows"].items():
+        curve = row["curve"]
+        assert [point["step"] for point in curve] == [0, 1, 2, 3, 4]  # every checkpoint kept, not the newest 3
+        assert curve[0] == task["sft"] and curve[0]["n_problems"] == 8  # the same held-out problems
+        assert all(a["train_s"] < b["train_s"] for a, b in zip(curve, curve[1:]))
+        assert curve[-1]["train_s"] == row["train_s"] and row["pass@1"] == curve[-1]["pass@1"]
+        assert abs(row["step_s"] - row["train_s"] / 4) < 1e-9 and row["wall_s"] > row["train_s"]
+        assert row["tokens_per_s"] > 0
+        assert (tmp_path / "addition" / algo / "checkpoints" / "1" / "model.safetensors").is_file()
+        assert f"\n{algo} " in out
+    assert common.KEEP_CHECKPOINTS == 3  # the benchmark's override does not outlive it
     assert summary["settings"]["trl_loss_type"] == "bnpo" and "TRL GRPOTrainer" not in out
+
+
+def test_lm_table_compares_at_equal_steps_and_equal_training_time():
+    bench = load_benchmark("lm_table")
+
+    def curve(*points):
+        return [{"step": step, "train_s": seconds, "pass@1": value} for step, seconds, value in points]
+
+    ours = curve((0, 0.0, 0.3), (50, 10.0, 0.5), (100, 20.0, 0.6))
+    trl = curve((0, 0.0, 0.3), (50, 15.0, 0.4), (100, 30.0, 0.7))
+    versus = bench.compare(ours, trl, 0.2, 0.3)
+    assert versus["equal_steps"] == {"steps": 100, "embodied_rl": 0.6, "trl": 0.7}
+    # ours finished at 20 s; TRL then held its 50-step checkpoint (15 s), not the 100-step one
+    assert versus["equal_time"] == {"train_s": 20.0, "faster": "embodied_rl", "embodied_rl": 0.6,
+                                    "embodied_rl_step": 100, "trl": 0.4, "trl_step": 50}
+    assert abs(versus["step_s_ratio"] - 2 / 3) < 1e-12
+    slow = curve((0, 0.0, 0.3), (50, 40.0, 0.5), (100, 80.0, 0.9))
+    timed = bench.compare(slow, trl, 0.8, 0.3)["equal_time"]
+    assert (timed["faster"], timed["train_s"], timed["embodied_rl_step"], timed["trl_step"]) == ("trl", 30.0, 0, 100)
+    assert (timed["embodied_rl"], timed["trl"]) == (0.3, 0.7)  # before its first checkpoint: the SFT start
+
+
+def test_lm_table_task_options(tmp_path):
+    import pytest
+
+    bench = load_benchmark("lm_table")
+    args = bench.parse_args([])
+    assert args.tasks == ["lm/addition", "lm/countdown"] and args.algos == ["grpo", "rloo", "reinforce_pp", "ppo"]
+    assert bench.task_args(args, "lm/addition").steps == 200 and bench.task_args(args, "lm/countdown").steps == 100
+    assert bench.parse_args(["--task", "lm/countdown"]).tasks == ["lm/countdown"]
+    with pytest.raises(SystemExit) as exit_info:  # one SFT checkpoint cannot start two tasks
+        bench.parse_args(["--checkpoint", str(tmp_path)])
+    assert exit_info.value.code == 2
 
 
 def test_lm_table_without_trl_says_how_to_install_it_and_exits_2(tmp_path, capsys, monkeypatch):
@@ -174,23 +219,30 @@ def test_lm_table_trl_side_trains_and_is_scored_by_our_eval(tmp_path, capsys):
     from embodied_rl.lm.sampling import encode_prompt
 
     bench = load_benchmark("lm_table")
-    summary = bench.main(["--sft-steps", "10", "--steps", "2", "--prompts", "2", "--group-size", "2",
-                          "--eval-problems", "8", "--run-eval-problems", "2", "--agg", "seq-mean-token-mean",
-                          "--out", str(tmp_path)])
-    assert set(summary["rows"]) == {"sft", "embodied_rl", "trl"}
+    summary = bench.main(["--task", "lm/addition", "--algos", "grpo", "--sft-steps", "10", "--steps", "3",
+                          "--curve-every", "2", "--prompts", "2", "--group-size", "2", "--eval-problems", "8",
+                          "--run-eval-problems", "2", "--agg", "seq-mean-token-mean", "--out", str(tmp_path)])
+    task = summary["tasks"]["lm/addition"]
+    assert list(task["rows"]) == ["grpo", "trl"]
     assert summary["settings"]["trl_loss_type"] == "grpo"
-    trl_row = summary["rows"]["trl"]
-    assert trl_row["n_problems"] == 8 and trl_row["step_s"] > 0 and 0.0 <= trl_row["pass@1"] <= 1.0
-    final = tmp_path / "trl" / "final"
-    assert recorded_task(final)["trained_by"] == "trl.GRPOTrainer"
-    history = json.loads((tmp_path / "trl" / "log_history.json").read_text())
-    assert sum("reward" in row for row in history) == 2  # one logged row per optimizer step
+    trl_row, ours = task["rows"]["trl"], task["rows"]["grpo"]
+    assert [point["step"] for point in trl_row["curve"]] == [point["step"] for point in ours["curve"]] == [0, 2, 3]
+    assert trl_row["curve"][-1]["n_problems"] == 8 and trl_row["step_s"] > 0 and trl_row["tokens_per_s"] > 0
+    assert trl_row["curve"][-1]["train_s"] == trl_row["train_s"] > trl_row["curve"][1]["train_s"] > 0
+    versus = task["grpo_vs_trl"]
+    assert versus["equal_steps"] == {"steps": 3, "embodied_rl": ours["pass@1"], "trl": trl_row["pass@1"]}
+    assert versus["equal_time"]["train_s"] == min(ours["train_s"], trl_row["train_s"])
+    assert abs(versus["step_s_ratio"] - ours["step_s"] / trl_row["step_s"]) < 1e-12
+    final = tmp_path / "addition" / "trl" / "checkpoints" / "3"
+    assert recorded_task(final)["trained_by"] == "trl.GRPOTrainer" and recorded_task(final)["step"] == 3
+    history = json.loads((tmp_path / "addition" / "trl" / "log_history.json").read_text())
+    assert sum("reward" in row for row in history) == 3  # one logged row per optimizer step
     # TRL's prompts are our encoding (BOS + characters); its final model loads as a checkpoint of the task
     model, tokenizer = load_model(final)
     assert tokenizer(text=bench.trl_prompt_text(tokenizer, "12+345="))["input_ids"] == encode_prompt(tokenizer, "12+345=")
     assert recorded_task(final)["name"] == "lm/addition" and model.config.vocab_size == len(tokenizer)
-    assert "TRL GRPOTrainer" in capsys.readouterr().out
-
+    out = capsys.readouterr().out
+    assert "TRL GRPOTrainer" in out and "embodied_rl grpo vs TRL GRPOTrainer: after 3 steps" in out
 
 def test_vla_table_reports_bc_rl_held_out_and_shuffled_success_per_instruction(tmp_path, capsys):
     import pytest
