@@ -210,8 +210,9 @@ def print_success(rows: dict, args) -> None:
           f"{args.held_out_episodes}; 'shuf': the seen episodes with each env's policy reading another env's "
           f"instruction. Eval seed {args.eval_seed}: the same episodes in every column of a split.")
     columns = [(name, kind) for name in rows for kind in ("real", "shuf")]
-    print(f"{'instruction':<38}" + "".join(f" {name if kind == 'real' else name + ' shuf':>14}"
-                                           for name, kind in columns))
+    labels = [name if kind == "real" else f"{name} shuf" for name, kind in columns]
+    widths = [max(14, len(label)) for label in labels]
+    print(f"{'instruction':<38}" + "".join(f" {label:>{width}}" for label, width in zip(labels, widths)))
     for split, texts in (("seen", seen), ("held_out", held_out)):
         # the shuffled evaluation ran on the seen split only
         results = [rows[name][split if kind == "real" else "shuffled"] if kind == "real" or split == "seen" else None
@@ -219,9 +220,10 @@ def print_success(rows: dict, args) -> None:
         for text in texts:
             cells = ["-" if r is None or text not in r["by_instruction"]
                      else f"{r['by_instruction'][text]:.2f} ({r['episodes_by_instruction'][text]})" for r in results]
-            print(f"{text:<38}" + "".join(f" {c:>14}" for c in cells))
+            print(f"{text:<38}" + "".join(f" {c:>{width}}" for c, width in zip(cells, widths)))
         averages = ["-" if r is None else f"{r['average']:.2f}" for r in results]
-        print(f"{'average, ' + split.replace('_', '-'):<38}" + "".join(f" {c:>14}" for c in averages))
+        print(f"{'average, ' + split.replace('_', '-'):<38}" + "".join(f" {c:>{width}}"
+                                                                     for c, width in zip(averages, widths)))
 
 
 def check_targets(rows: dict, runs: dict) -> dict:
@@ -319,7 +321,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pretrain-set", nargs="*", default=[], help="pretrain overrides (policy.mlp.hidden_dim=16)")
     parser.add_argument("--algos", nargs="*", default=["flow_sde", "residual_offpolicy"],
                         help="fine-tuning methods (configs/algo/); none (a bare --algos) gives the BC rows only")
-    parser.add_argument("--env-steps", type=int, default=300000, help="fine-tuning env steps per method")
+    parser.add_argument("--env-steps", type=int, default=500000,
+                        help="fine-tuning env steps per method (within the issue's 2 h of training on 2 CPU cores)")
     parser.add_argument("--num-envs", type=int, default=64, help="fine-tuning envs")
     parser.add_argument("--eval-every", type=int, default=50000, help="env steps between curve evaluations")
     parser.add_argument("--curve-episodes", type=int, default=60, help="episodes per curve evaluation")
