@@ -16,7 +16,8 @@ QC-FQL, algos/chunks.py):
 - critic: an ensemble of LayerNorm MLPs Q(s, a_{t:t+h}) on the frozen encoder's conditioning,
   target y = R + gamma^steps * (min_pair Qbar(s', a') - alpha * log p(a' chain | s')), a' drawn
   from the current chain;
-- actor: minimise alpha * log p(chain) - mean_e Q_e(s, a), through the whole chain;
+- actor: minimise alpha * log p(chain) - mean_e Q_e(s, clip(a)) + |a - clip(a)|^2, through the whole
+  chain (clip to the action range [-1, 1], as executed and stored; the last term keeps the chain in it);
 - alpha: fixed (`alpha`), or tuned toward `target_entropy` (per action dimension) when set.
 Batches mix online chunks with the demo dataset's chunk transitions (`demo_fraction`; 0 = online
 only), `utd_ratio` gradient steps per collected chunk transition. The checkpoint is a plain
@@ -162,8 +163,8 @@ class SACFlow:
         alpha = self.log_alpha.exp().detach()
         with torch.no_grad():
             next_chunk, next_logprob = self.chain.draw(batch["next_cond"])
-            next_q = random_pair_min(self.critic_target(batch["next_cond"], executed_actions(self.policy, next_chunk)),
-                                     self.generator)
+            next_executed = executed_actions(self.policy, next_chunk).clamp(-1.0, 1.0)
+            next_q = random_pair_min(self.critic_target(batch["next_cond"], next_executed), self.generator)
             target = batch["reward"] + batch["discount"] * (next_q - alpha * next_logprob)
         q = self.critic(batch["cond"], batch["chunk"])
         critic_loss = ((q - target[None]) ** 2).mean(1).sum()
@@ -173,10 +174,16 @@ class SACFlow:
         stats = {"train/critic_loss": critic_loss.item(), "train/q": q.mean().item(), "train/alpha": float(alpha)}
         if update_actor:
             chunk, logprob = self.chain.draw(batch["cond"])
+            executed = executed_actions(self.policy, chunk)
+            # The env runs the chunk clipped to [-1, 1] and the replay stores it so: the critic reads
+            # the clipped chunk. Outside the range a critic only extrapolates, and an unclipped chain
+            # followed it there (lift: 36% of the entries beyond 1, up to 6); the clip leaves no
+            # gradient on those entries, so a penalty on the excess pulls them back.
             self.critic.requires_grad_(False)  # the actor loss needs dQ/da only
-            q_pi = self.critic(batch["cond"], executed_actions(self.policy, chunk)).mean(0)
+            q_pi = self.critic(batch["cond"], executed.clamp(-1.0, 1.0)).mean(0)
             self.critic.requires_grad_(True)
-            actor_loss = (alpha * logprob - q_pi).mean()
+            out_of_range = (executed.abs() - 1.0).clamp(min=0.0).pow(2).flatten(1).sum(-1)
+            actor_loss = (alpha * logprob - q_pi + out_of_range).mean()
             self.actor_optimizer.zero_grad()
             actor_loss.backward()
             self.actor_optimizer.step()

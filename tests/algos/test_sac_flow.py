@@ -63,6 +63,41 @@ def test_the_chain_is_reparameterised_through_the_velocity_network_only():
     assert all(p.grad is None for p in policy.parameters())
 
 
+def test_the_actor_climbs_the_critic_but_stays_in_the_action_range():
+    """A critic that grows without bound in every action entry: the actor pushes the chunk up to
+    the edge of [-1, 1], where the clipped critic gives no more and the penalty holds it (an
+    unclipped critic would drive it on, as it drove lift's chain to 6)."""
+    from embodied_rl.algos.sac_flow import SACFlow, SACFlowConfig
+
+    policy = tiny_flow()
+    algo = SACFlowConfig(name="sac_flow", noise_level=0.1, critic_hidden_sizes=[8], ensemble=2, gamma=0.99,
+                         tau=0.005, actor_lr=1e-2, critic_lr=0.0, alpha=1e-6, target_entropy=None, batch_size=16,
+                         buffer_size=16, utd_ratio=1.0, demo_fraction=0.0, critic_only_steps=0, reward="success",
+                         bootstrap_truncation=False, data=None)
+    learner = SACFlow(algo, policy, torch.device("cpu"), seed=0)
+
+    class Upward(torch.nn.Module):  # Q = 10 x the sum of the executed entries, for every critic
+        def __init__(self):
+            super().__init__()
+            self.offset = torch.nn.Parameter(torch.zeros(()))  # a critic loss to step (by lr 0)
+
+        def forward(self, cond, chunk):
+            return 10 * chunk.flatten(1).sum(-1).expand(2, -1) + self.offset
+
+    learner.critic, learner.critic_target = Upward(), Upward()
+    learner.critic_optimizer = torch.optim.SGD(learner.critic.parameters(), lr=0.0)
+    cond = policy.encode_obs(torch.randn(16, 2, 3))
+    batch = {"cond": cond, "next_cond": cond, "chunk": torch.zeros(16, 2, 2), "reward": torch.zeros(16),
+             "discount": torch.zeros(16)}
+    for _ in range(300):
+        learner.update(batch, update_actor=True)
+    with torch.no_grad():
+        chunk, _ = learner.chain.draw(cond, torch.Generator().manual_seed(1))
+    executed = chunk[:, 1:3]
+    assert executed.mean() > 0.8  # climbed the critic
+    assert executed.mean() < 1.2 and executed.max() < 1.6  # and stayed at the edge of the range (+ noise)
+
+
 def test_finetune_then_eval_through_the_cli(checkpoints, tmp_path, capsys):  # noqa: F811
     run_dir = tmp_path / "run"
     code = main(["finetune", "algo=sac_flow", f"checkpoint={checkpoints / 'flow'}", "task=reach", "num_envs=4",
