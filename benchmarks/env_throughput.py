@@ -18,7 +18,9 @@ time and reports env steps/s (N x batched steps / s). Baselines:
 - envpool_direct (hopper only): EnvPool's C++ engine called directly on the same model
   (`envpool.make("Hopper-v5", env_type="gymnasium")`, numpy actions, its own next-step
   auto-reset), beside `envpool`, the same engine through this package's backend (torch tensors,
-  same-step auto-reset): their ratio is the backend's cost.
+  same-step auto-reset): their ratio is the backend's cost. Both count transitions: EnvPool's
+  direct steps whose env slot was a reset (its next-step auto-reset ignores that action) are not
+  counted.
 mujoco_warp on Warp's CPU device is slow and is measured at N <= 16 only; with --device cuda it
 runs on the GPU at N up to 8192. `--pixels S` makes every step also render each env's S x S camera
 observation (obs_mode="pixels", the batched renderer of envs/render.py); the baselines step
@@ -67,20 +69,22 @@ def available_task(name: str) -> tuple[str, str]:
 REPEATS = 3  # best of: the machine is shared, and other jobs only ever slow a measurement down
 
 
-def timed_loop(step, seconds: float, min_iters: int = 3) -> tuple[int, float]:
+def timed_loop(step, seconds: float, min_iters: int = 3) -> tuple[float, float]:
     """Call step() for `seconds` (at least min_iters times), REPEATS times; return the
-    (iterations, elapsed) of the fastest repeat."""
-    best = (0, float("inf"))
+    (batches, elapsed) of the fastest repeat. A step() that returns a number counts as that
+    fraction of a batch (EnvPool's direct steps, some of whose env slots are resets)."""
+    best = (0.0, float("inf"))
     for _ in range(REPEATS):
-        iters, start = 0, time.perf_counter()
+        iters, batches, start = 0, 0.0, time.perf_counter()
         while True:
-            step()
+            done = step()
             iters += 1
+            batches += 1.0 if done is None else done
             elapsed = time.perf_counter() - start
             if elapsed >= seconds and iters >= min_iters:
                 break
-        if iters / elapsed > best[0] / best[1]:
-            best = (iters, elapsed)
+        if batches / elapsed > best[0] / best[1]:
+            best = (batches, elapsed)
     return best
 
 
@@ -168,15 +172,31 @@ def sync_vector_env_rate(task_name: str, n: int, seconds: float) -> float:
 
 
 def envpool_direct_rate(env_id: str, n: int, seconds: float, threads: int | None = None) -> float:
-    """Env steps per second of EnvPool called directly (numpy in, numpy out); `threads` worker
-    threads (default one per core)."""
+    """Transitions per second of EnvPool called directly (numpy in, numpy out); `threads` worker
+    threads (default one per core).
+
+    EnvPool resets a finished env on its next step and ignores that step's action, so a batch of
+    N returns fewer than N transitions whenever an env was resetting; those env slots (the ones
+    whose `elapsed_step` comes back 0) are not counted. Every step of this package's backends is
+    a transition (they reset in the same step), so both rows count the same thing."""
     from embodied_rl.envs.backends.envpool import import_envpool
 
     envpool = import_envpool()  # mujoco first, as EnvPool's renderer needs
     pool = envpool.make(env_id, env_type="gymnasium", num_envs=n, batch_size=n, seed=0,
                         num_threads=threads or min(n, len(os.sched_getaffinity(0))))
     pool.reset()
-    return vector_rate(pool, n, (n, *pool.action_space.shape), seconds)
+    rng = np.random.default_rng(0)
+    actions = rng.uniform(-1, 1, size=(8, n, *pool.action_space.shape)).astype(np.float32)
+    counter = {"k": 0}
+
+    def step() -> float:
+        info = pool.step(actions[counter["k"] % 8])[-1]
+        counter["k"] += 1
+        return np.count_nonzero(info["elapsed_step"]) / n  # the share of the batch that were transitions
+
+    batches, elapsed = timed_loop(step, seconds)
+    pool.close()
+    return n * batches / elapsed
 
 
 def rate_of(rows: list[dict[str, Any]], task: str, backend: str, n: int) -> float | None:
