@@ -16,8 +16,11 @@ QC-FQL, algos/chunks.py):
 - critic: an ensemble of LayerNorm MLPs Q(s, a_{t:t+h}) on the frozen encoder's conditioning,
   target y = R + gamma^steps * (min_pair Qbar(s', a') - alpha * log p(a' chain | s')), a' drawn
   from the current chain;
-- actor: minimise alpha * log p(chain) - mean_e Q_e(s, clip(a)) + |a - clip(a)|^2, through the whole
-  chain (clip to the action range [-1, 1], as executed and stored; the last term keeps the chain in it);
+- actor: minimise alpha * log p(chain) - mean_e Q_e(s, clip(a)) + |a - clip(a)|^2
+  + action_reg * |a - a_batch|^2, through the whole chain (clip to the action range [-1, 1], as
+  executed and stored; the range term keeps the chain in it; the last term pulls the chunk toward
+  the batch's stored chunk for the same state, demos and online data alike, as the SAC Flow
+  authors' offline-to-online runs do: without it the actor climbs the critic's errors);
 - alpha: fixed (`alpha`), or tuned toward `target_entropy` (per action dimension) when set.
 Batches mix online chunks with the demo dataset's chunk transitions (`demo_fraction`; 0 = online
 only), `utd_ratio` gradient steps per collected chunk transition. The checkpoint is a plain
@@ -75,6 +78,7 @@ class SACFlowConfig:
     utd_ratio: float
     demo_fraction: float
     critic_only_steps: int
+    action_reg: float
     reward: str
     bootstrap_truncation: Any
     data: str | None
@@ -95,6 +99,7 @@ class SACFlowConfig:
             ("utd_ratio", config.utd_ratio > 0, "> 0"),
             ("demo_fraction", 0.0 <= config.demo_fraction < 1.0, "in [0, 1)"),
             ("critic_only_steps", config.critic_only_steps >= 0, ">= 0"),
+            ("action_reg", config.action_reg >= 0, ">= 0"),
         ]
         for key, ok, expected in checks:
             if not ok:
@@ -183,11 +188,13 @@ class SACFlow:
             q_pi = self.critic(batch["cond"], executed.clamp(-1.0, 1.0)).mean(0)
             self.critic.requires_grad_(True)
             out_of_range = (executed.abs() - 1.0).clamp(min=0.0).pow(2).flatten(1).sum(-1)
-            actor_loss = (alpha * logprob - q_pi + out_of_range).mean()
+            to_batch = (executed - batch["chunk"]).pow(2).flatten(1).sum(-1)
+            actor_loss = (alpha * logprob - q_pi + out_of_range + algo.action_reg * to_batch).mean()
             self.actor_optimizer.zero_grad()
             actor_loss.backward()
             self.actor_optimizer.step()
-            stats.update({"train/actor_loss": actor_loss.item(), "train/logprob": logprob.mean().item()})
+            stats.update({"train/actor_loss": actor_loss.item(), "train/logprob": logprob.mean().item(),
+                          "train/action_reg": to_batch.mean().item()})
             if algo.target_entropy is not None:  # tune alpha so that -logprob tracks the target
                 alpha_loss = -(self.log_alpha * (logprob.detach() + algo.target_entropy)).mean()
                 self.alpha_optimizer.zero_grad()

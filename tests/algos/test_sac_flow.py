@@ -72,30 +72,55 @@ def test_the_actor_climbs_the_critic_but_stays_in_the_action_range():
     policy = tiny_flow()
     algo = SACFlowConfig(name="sac_flow", noise_level=0.1, critic_hidden_sizes=[8], ensemble=2, gamma=0.99,
                          tau=0.005, actor_lr=1e-2, critic_lr=0.0, alpha=1e-6, target_entropy=None, batch_size=16,
-                         buffer_size=16, utd_ratio=1.0, demo_fraction=0.0, critic_only_steps=0, reward="success",
-                         bootstrap_truncation=False, data=None)
+                         buffer_size=16, utd_ratio=1.0, demo_fraction=0.0, critic_only_steps=0, action_reg=0.0,
+                         reward="success", bootstrap_truncation=False, data=None)
+    executed = train_against_a_fixed_critic(algo, slope=10.0, stored=0.0)
+    assert executed.mean() > 0.8  # climbed the critic
+    assert executed.mean() < 1.2 and executed.max() < 1.6  # and stayed at the edge of the range (+ noise)
+
+
+def test_action_reg_pulls_the_chunk_toward_the_stored_one():
+    """With a flat critic only the regulariser moves the actor: the chunk goes to the batch's
+    stored chunk; against a rising critic it settles where their gradients balance."""
+    from embodied_rl.algos.sac_flow import SACFlowConfig
+
+    algo = SACFlowConfig(name="sac_flow", noise_level=0.1, critic_hidden_sizes=[8], ensemble=2, gamma=0.99,
+                         tau=0.005, actor_lr=1e-2, critic_lr=0.0, alpha=1e-6, target_entropy=None, batch_size=16,
+                         buffer_size=16, utd_ratio=1.0, demo_fraction=0.0, critic_only_steps=0, action_reg=1.0,
+                         reward="success", bootstrap_truncation=False, data=None)
+    executed = train_against_a_fixed_critic(algo, slope=0.0, stored=-0.5)
+    assert abs(executed.mean() + 0.5) < 0.1
+    # d/da [-0.4 a + (a + 0.5)^2] = 0 at a = -0.3
+    executed = train_against_a_fixed_critic(algo, slope=0.4, stored=-0.5)
+    assert abs(executed.mean() + 0.3) < 0.1
+
+
+def train_against_a_fixed_critic(algo, slope: float, stored: float) -> torch.Tensor:
+    """300 actor updates of a tiny flow policy against Q = slope x the sum of the executed entries
+    (every critic), on one batch whose stored chunks are all `stored`; the executed chunk after."""
+    from embodied_rl.algos.sac_flow import SACFlow
+
+    policy = tiny_flow()
     learner = SACFlow(algo, policy, torch.device("cpu"), seed=0)
 
-    class Upward(torch.nn.Module):  # Q = 10 x the sum of the executed entries, for every critic
+    class Linear(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.offset = torch.nn.Parameter(torch.zeros(()))  # a critic loss to step (by lr 0)
 
         def forward(self, cond, chunk):
-            return 10 * chunk.flatten(1).sum(-1).expand(2, -1) + self.offset
+            return slope * chunk.flatten(1).sum(-1).expand(2, -1) + self.offset
 
-    learner.critic, learner.critic_target = Upward(), Upward()
+    learner.critic, learner.critic_target = Linear(), Linear()
     learner.critic_optimizer = torch.optim.SGD(learner.critic.parameters(), lr=0.0)
     cond = policy.encode_obs(torch.randn(16, 2, 3))
-    batch = {"cond": cond, "next_cond": cond, "chunk": torch.zeros(16, 2, 2), "reward": torch.zeros(16),
+    batch = {"cond": cond, "next_cond": cond, "chunk": torch.full((16, 2, 2), stored), "reward": torch.zeros(16),
              "discount": torch.zeros(16)}
     for _ in range(300):
         learner.update(batch, update_actor=True)
     with torch.no_grad():
         chunk, _ = learner.chain.draw(cond, torch.Generator().manual_seed(1))
-    executed = chunk[:, 1:3]
-    assert executed.mean() > 0.8  # climbed the critic
-    assert executed.mean() < 1.2 and executed.max() < 1.6  # and stayed at the edge of the range (+ noise)
+    return chunk[:, 1:3]
 
 
 def test_finetune_then_eval_through_the_cli(checkpoints, tmp_path, capsys):  # noqa: F811
