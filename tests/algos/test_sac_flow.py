@@ -67,9 +67,8 @@ def test_the_actor_climbs_the_critic_but_stays_in_the_action_range():
     """A critic that grows without bound in every action entry: the actor pushes the chunk up to
     the edge of [-1, 1], where the clipped critic gives no more and the penalty holds it (an
     unclipped critic would drive it on, as it drove lift's chain to 6)."""
-    from embodied_rl.algos.sac_flow import SACFlow, SACFlowConfig
+    from embodied_rl.algos.sac_flow import SACFlowConfig
 
-    policy = tiny_flow()
     algo = SACFlowConfig(name="sac_flow", noise_level=0.1, critic_hidden_sizes=[8], ensemble=2, gamma=0.99,
                          tau=0.005, actor_lr=1e-2, critic_lr=0.0, alpha=1e-6, target_entropy=None, batch_size=16,
                          buffer_size=16, utd_ratio=1.0, demo_fraction=0.0, critic_only_steps=0, action_reg=0.0,
