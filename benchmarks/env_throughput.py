@@ -144,19 +144,23 @@ def batched_rate(env: Any, seconds: float, action_dim: int) -> float:
     return env.num_envs * iters / elapsed
 
 
-def vector_rate(vec: Any, n: int, action_shape: tuple[int, ...], seconds: float) -> float:
-    """Env steps per second of a reset numpy vector env (gymnasium's or EnvPool's), random actions."""
+def vector_rate(vec: Any, n: int, action_shape: tuple[int, ...], seconds: float,
+                transition_share: Any = None) -> float:
+    """Env steps per second of a reset numpy vector env (gymnasium's or EnvPool's), random actions.
+    `transition_share(info)`, when given, is the share of a step's N env slots that were
+    transitions (EnvPool's reset slots are not); the rate counts those only."""
     rng = np.random.default_rng(0)
     actions = rng.uniform(-1, 1, size=(8, *action_shape)).astype(np.float32)
     counter = {"k": 0}
 
-    def step() -> None:
-        vec.step(actions[counter["k"] % 8])
+    def step() -> float | None:
+        info = vec.step(actions[counter["k"] % 8])[-1]
         counter["k"] += 1
+        return None if transition_share is None else transition_share(info)
 
-    iters, elapsed = timed_loop(step, seconds)
+    batches, elapsed = timed_loop(step, seconds)
     vec.close()
-    return n * iters / elapsed
+    return n * batches / elapsed
 
 
 def sync_vector_env_rate(task_name: str, n: int, seconds: float) -> float:
@@ -185,18 +189,9 @@ def envpool_direct_rate(env_id: str, n: int, seconds: float, threads: int | None
     pool = envpool.make(env_id, env_type="gymnasium", num_envs=n, batch_size=n, seed=0,
                         num_threads=threads or min(n, len(os.sched_getaffinity(0))))
     pool.reset()
-    rng = np.random.default_rng(0)
-    actions = rng.uniform(-1, 1, size=(8, n, *pool.action_space.shape)).astype(np.float32)
-    counter = {"k": 0}
-
-    def step() -> float:
-        info = pool.step(actions[counter["k"] % 8])[-1]
-        counter["k"] += 1
-        return np.count_nonzero(info["elapsed_step"]) / n  # the share of the batch that were transitions
-
-    batches, elapsed = timed_loop(step, seconds)
-    pool.close()
-    return n * batches / elapsed
+    # the slots whose elapsed_step came back 0 were resets, not transitions
+    return vector_rate(pool, n, (n, *pool.action_space.shape), seconds,
+                       transition_share=lambda info: np.count_nonzero(info["elapsed_step"]) / n)
 
 
 def rate_of(rows: list[dict[str, Any]], task: str, backend: str, n: int) -> float | None:

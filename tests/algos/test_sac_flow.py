@@ -67,12 +67,7 @@ def test_the_actor_climbs_the_critic_but_stays_in_the_action_range():
     """A critic that grows without bound in every action entry: the actor pushes the chunk up to
     the edge of [-1, 1], where the clipped critic gives no more and the penalty holds it (an
     unclipped critic would drive it on, as it drove lift's chain to 6)."""
-    from embodied_rl.algos.sac_flow import SACFlowConfig
-
-    algo = SACFlowConfig(name="sac_flow", noise_level=0.1, critic_hidden_sizes=[8], ensemble=2, gamma=0.99,
-                         tau=0.005, actor_lr=1e-2, critic_lr=0.0, alpha=1e-6, target_entropy=None, batch_size=16,
-                         buffer_size=16, utd_ratio=1.0, demo_fraction=0.0, critic_only_steps=0, action_reg=0.0,
-                         reward="success", bootstrap_truncation=False, data=None)
+    algo = fixed_critic_config(action_reg=0.0)
     executed = train_against_a_fixed_critic(algo, slope=10.0, stored=0.0)
     assert executed.mean() > 0.8  # climbed the critic
     assert executed.mean() < 1.2 and executed.max() < 1.6  # and stayed at the edge of the range (+ noise)
@@ -81,17 +76,23 @@ def test_the_actor_climbs_the_critic_but_stays_in_the_action_range():
 def test_action_reg_pulls_the_chunk_toward_the_stored_one():
     """With a flat critic only the regulariser moves the actor: the chunk goes to the batch's
     stored chunk; against a rising critic it settles where their gradients balance."""
-    from embodied_rl.algos.sac_flow import SACFlowConfig
-
-    algo = SACFlowConfig(name="sac_flow", noise_level=0.1, critic_hidden_sizes=[8], ensemble=2, gamma=0.99,
-                         tau=0.005, actor_lr=1e-2, critic_lr=0.0, alpha=1e-6, target_entropy=None, batch_size=16,
-                         buffer_size=16, utd_ratio=1.0, demo_fraction=0.0, critic_only_steps=0, action_reg=1.0,
-                         reward="success", bootstrap_truncation=False, data=None)
+    algo = fixed_critic_config(action_reg=1.0)
     executed = train_against_a_fixed_critic(algo, slope=0.0, stored=-0.5)
     assert abs(executed.mean() + 0.5) < 0.1
     # d/da [-0.4 a + (a + 0.5)^2] = 0 at a = -0.3
     executed = train_against_a_fixed_critic(algo, slope=0.4, stored=-0.5)
     assert abs(executed.mean() + 0.3) < 0.1
+
+
+def fixed_critic_config(action_reg: float):
+    """SAC Flow settings for actor updates against a fixed critic: a fast actor, no critic step, no
+    entropy pull."""
+    from embodied_rl.algos.sac_flow import SACFlowConfig
+
+    return SACFlowConfig(name="sac_flow", noise_level=0.1, critic_hidden_sizes=[8], ensemble=2, gamma=0.99,
+                         tau=0.005, actor_lr=1e-2, critic_lr=0.0, alpha=1e-6, target_entropy=None, batch_size=16,
+                         buffer_size=16, utd_ratio=1.0, demo_fraction=0.0, critic_only_steps=0,
+                         action_reg=action_reg, reward="success", bootstrap_truncation=False, data=None)
 
 
 def train_against_a_fixed_critic(algo, slope: float, stored: float) -> torch.Tensor:
