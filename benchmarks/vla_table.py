@@ -63,18 +63,19 @@ class Suite:
     demos: int
     quality: float
     pretrain_steps: int
-    num_envs: int            # fine-tuning envs (MT10: a multiple of its 10 tasks)
+    collect_envs: int        # this and the other env counts: MT10 splits them evenly across its 10 tasks
+    num_envs: int            # fine-tuning envs
     eval_envs: int
     eval_episodes: int
 
 
 SUITES = {
     # 300 demos at quality 0.5 and 3000 BC steps: the recorded tabletop BC (81% seen)
-    "tabletop": Suite("tabletop", "pixels", demos=300, quality=0.5, pretrain_steps=3000, num_envs=64,
+    "tabletop": Suite("tabletop", "pixels", demos=300, quality=0.5, pretrain_steps=3000, collect_envs=32, num_envs=64,
                       eval_envs=60, eval_episodes=120),
     # 50 demos per task, as the single-task Meta-World table's BC uses
-    "metaworld/MT10": Suite("metaworld/MT10", "state", demos=500, quality=1.0, pretrain_steps=10000, num_envs=20,
-                            eval_envs=50, eval_episodes=200),
+    "metaworld/MT10": Suite("metaworld/MT10", "state", demos=500, quality=1.0, pretrain_steps=10000, collect_envs=50,
+                            num_envs=20, eval_envs=50, eval_episodes=200),
 }
 
 
@@ -359,7 +360,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"instruction); at most {MAX_DEMOS_PER_INSTRUCTION} per seen instruction")
     parser.add_argument("--quality", type=float, help="expert quality of the demos (default: the suite's)")
     parser.add_argument("--image-size", type=int, default=64, help="tabletop's frames")
-    parser.add_argument("--collect-envs", type=int, default=32)
+    parser.add_argument("--collect-envs", type=int, help="default: the suite's")
     parser.add_argument("--pretrain-steps", type=int, help="default: the suite's")
     parser.add_argument("--batch-size", type=int, default=64, help="BC batch size")
     parser.add_argument("--pretrain-set", nargs="*", default=[], help="pretrain overrides (policy.mlp.hidden_dim=16)")
@@ -384,7 +385,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="runs/vla_table", help="run directories; finished stages are reused")
     args = parser.parse_args(argv)
     args.suite = SUITES[args.suite]
-    for option in ("demos", "quality", "pretrain_steps", "num_envs", "eval_envs", "eval_episodes"):
+    for option in ("demos", "quality", "pretrain_steps", "collect_envs", "num_envs", "eval_envs", "eval_episodes"):
         if getattr(args, option) is None:
             setattr(args, option, getattr(args.suite, option))
     max_demos = MAX_DEMOS_PER_INSTRUCTION * len(seen_and_held_out(args.suite)[0])

@@ -69,6 +69,21 @@ def test_extra_action_noise_is_stored_and_keeps_the_ratio_at_one():
     assert torch.equal(actor.evaluate(obs, noisy.stash)[0], noisy.logprob)
 
 
+def test_per_sample_ratios_are_one_column_per_pair_and_average_to_the_chunk_surrogate():
+    obs = torch.randn(6, 2, 3)
+    actor = FPOActor(tiny(), num_samples=4, ratio="per_sample")
+    out = actor.act(obs)
+    assert out.logprob.shape == (6, 4) and actor.num_logprob_positions == 4
+    assert torch.equal(actor.evaluate(obs, out.stash)[0], out.logprob)  # every ratio is 1 before an update
+    # the columns are -l(a; t_k, eps_k); their mean is the chunk ratio's log-prob on the same stash
+    chunk_actor = FPOActor(tiny(), num_samples=4)
+    assert torch.allclose(chunk_actor.evaluate(obs, out.stash)[0], out.logprob.mean(1, keepdim=True), atol=1e-6)
+    assert actor.clip_coefs(0.05) == [0.05] * 4 and torch.equal(actor.advantage_weights(), torch.ones(4))
+    assert actor.act(obs, deterministic=True).logprob.shape == (6, 4)
+    with pytest.raises(UserError, match="ratio must be one of chunk, per_sample"):
+        FPOActor(tiny(), ratio="token")
+
+
 @pytest.mark.parametrize("policy_type", ["diffusion", "shortcut"])
 def test_fpo_needs_a_flow_policy(policy_type):
     with pytest.raises(UserError, match=f"needs a flow policy .* got {policy_type}"):
@@ -77,14 +92,16 @@ def test_fpo_needs_a_flow_policy(policy_type):
         FPOActor(tiny(), action_noise=-0.1)
 
 
-def test_finetune_then_eval_through_the_cli(tmp_path, capsys):
+@pytest.mark.parametrize("ratio", ["chunk", "per_sample"])
+def test_finetune_then_eval_through_the_cli(tmp_path, capsys, ratio):
     policy = make_policy("flow", obs_dim=8, action_dim=2, n_obs_steps=2, horizon=4, n_action_steps=2,
                          num_inference_steps=2, task="reach", backbone_kwargs=dict(hidden_dim=16, num_blocks=1, time_dim=8))
     save_policy(policy, tmp_path / "bc")
     run_dir = tmp_path / "run"
     code = main(["finetune", "algo=fpo", f"checkpoint={tmp_path / 'bc'}", "task=reach", "num_envs=4", "eval_episodes=4",
                  "videos=0", "log_every=1", "env_steps=192", "eval_every=96", "algo.num_steps=8",
-                 "algo.critic_warmup_iters=0", "algo.actor_kwargs.critic_hidden=16", f"run_dir={run_dir}"])
+                 "algo.critic_warmup_iters=0", "algo.actor_kwargs.critic_hidden=16", f"algo.actor_kwargs.ratio={ratio}",
+                 f"run_dir={run_dir}"])
     assert code == 0, capsys.readouterr().err
     train = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "train/policy_loss" in r]
     assert train and all(r["train/first_minibatch_ratio_dev"] < 1e-5 for r in train)
