@@ -101,7 +101,12 @@ def print_table(rows: dict, args) -> None:
         line = f"{task:<22} {row['expert']:>6.2f} {row['bc']:>5.2f} [{row['bc_ci95'][0]:.2f},{row['bc_ci95'][1]:.2f}]"
         for algo in args.algos:
             r = row[algo]
-            target = "-" if r["steps_to_target"] is None else f"{r['steps_to_target']} / {r['wall_to_target'] or 0:.0f}s"
+            if r["steps_to_target"] is None:
+                target = "-"
+            elif r["steps_to_target"] == 0:
+                target = "at start"  # the starting policy's own curve evaluation is already there
+            else:
+                target = f"{r['steps_to_target']} / {r['wall_to_target']:.0f}s"
             line += (f" {r['success']:>16.2f} [{r['ci95'][0]:.2f},{r['ci95'][1]:.2f}] {r['env_steps']:>8}"
                      f" {r['wall_s']:>7.0f} {target:>16}")
         print(line)
