@@ -106,7 +106,7 @@ def print_table(rows: dict, args) -> None:
             elif r["steps_to_target"] == 0:
                 target = "at start"  # the starting policy's own curve evaluation is already there
             else:
-                target = f"{r['steps_to_target']} / {r['wall_to_target']:.0f}s"
+                target = f"{r['steps_to_target']} / {r['wall_to_target'] or 0:.0f}s"  # older runs logged no wall time
             line += (f" {r['success']:>16.2f} [{r['ci95'][0]:.2f},{r['ci95'][1]:.2f}] {r['env_steps']:>8}"
                      f" {r['wall_s']:>7.0f} {target:>16}")
         print(line)
