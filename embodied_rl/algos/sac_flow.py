@@ -16,11 +16,12 @@ QC-FQL, algos/chunks.py):
 - critic: an ensemble of LayerNorm MLPs Q(s, a_{t:t+h}) on the frozen encoder's conditioning,
   target y = R + gamma^steps * (min_pair Qbar(s', a') - alpha * log p(a' chain | s')), a' drawn
   from the current chain;
-- actor: minimise alpha * log p(chain) - mean_e Q_e(s, clip(a)) + |a - clip(a)|^2
-  + action_reg * |a - a_batch|^2, through the whole chain (clip to the action range [-1, 1], as
-  executed and stored; the range term keeps the chain in it; the last term pulls the chunk toward
-  the batch's stored chunk for the same state, demos and online data alike, as the SAC Flow
-  authors' offline-to-online runs do: without it the actor climbs the critic's errors);
+- actor: minimise alpha * log p(chain) - mean_e Q_e(s, clip(a)) / mean|Q| + |a - clip(a)|^2
+  + action_reg * |a - a_base|^2, through the whole chain. Q is normalised by its batch magnitude
+  (FQL's normalize_q_loss). clip is the action range [-1, 1], as executed and stored; the range
+  term keeps the chain in it. a_base is the frozen base policy's chunk from the same initial and
+  step noise: the last term is zero at the start and grows only as the fine-tuned chain leaves the
+  BC policy (without an anchor the actor climbs the critic's errors);
 - alpha: fixed (`alpha`), or tuned toward `target_entropy` (per action dimension) when set.
 Batches mix online chunks with the demo dataset's chunk transitions (`demo_fraction`; 0 = online
 only), `utd_ratio` gradient steps per collected chunk transition. The checkpoint is a plain
@@ -128,19 +129,31 @@ class FlowChain(nn.Module):
     def forward(self, cond: Tensor, noise: Tensor, step_noise: Tensor) -> tuple[Tensor, Tensor]:
         """(normalised chunk [N, H, A], log-likelihood of the chain per executed entry [N]) from the
         initial noise [N, H, A] and the step noise [N, K, H, A]; differentiable in the weights."""
+        return self.run(self.ft, cond, noise, step_noise)
+
+    def base(self, cond: Tensor, noise: Tensor, step_noise: Tensor) -> Tensor:
+        """The frozen base policy's chunk from the same noise (the regulariser's anchor)."""
+        with torch.no_grad():
+            return self.run(self.policy, cond, noise, step_noise)[0]
+
+    def run(self, flow: Any, cond: Tensor, noise: Tensor, step_noise: Tensor) -> tuple[Tensor, Tensor]:
         x, logprob = noise, torch.zeros(len(noise), device=noise.device)
-        for i in range(self.ft.num_inference_steps):
-            mean, std = self.ft.step_mean_std(x, i, cond, self.noise_level)
+        for i in range(flow.num_inference_steps):
+            mean, std = flow.step_mean_std(x, i, cond, self.noise_level)
             x = mean + std * step_noise[:, i]
             logprob = logprob + executed_actions(self.policy, gaussian_logprob(x, mean, std)).flatten(1).mean(-1)
         return x, logprob
 
-    def draw(self, cond: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
-        n, shape = len(cond), self.policy.noise_shape
-        noise = torch.randn((n, *shape), generator=generator, device=cond.device if generator is None else "cpu")
+    def noise(self, n: int, generator: torch.Generator | None, device: torch.device) -> tuple[Tensor, Tensor]:
+        """(initial noise [N, H, A], step noise [N, K, H, A]) on `device`."""
+        shape = self.policy.noise_shape
+        noise = torch.randn((n, *shape), generator=generator, device=device if generator is None else "cpu")
         steps = torch.randn((n, self.ft.num_inference_steps, *shape), generator=generator,
-                            device=cond.device if generator is None else "cpu")
-        return self(cond, noise.to(cond.device), steps.to(cond.device))
+                            device=device if generator is None else "cpu")
+        return noise.to(device), steps.to(device)
+
+    def draw(self, cond: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        return self(cond, *self.noise(len(cond), generator, cond.device))
 
 
 class SACFlow:
@@ -178,7 +191,8 @@ class SACFlow:
         self.critic_optimizer.step()
         stats = {"train/critic_loss": critic_loss.item(), "train/q": q.mean().item(), "train/alpha": float(alpha)}
         if update_actor:
-            chunk, logprob = self.chain.draw(batch["cond"])
+            noise = self.chain.noise(len(batch["cond"]), None, batch["cond"].device)
+            chunk, logprob = self.chain(batch["cond"], *noise)
             executed = executed_actions(self.policy, chunk)
             # The env runs the chunk clipped to [-1, 1] and the replay stores it so: the critic reads
             # the clipped chunk. Outside the range a critic only extrapolates, and an unclipped chain
@@ -187,14 +201,18 @@ class SACFlow:
             self.critic.requires_grad_(False)  # the actor loss needs dQ/da only
             q_pi = self.critic(batch["cond"], executed.clamp(-1.0, 1.0)).mean(0)
             self.critic.requires_grad_(True)
+            # Q in units of the batch's |Q| (FQL's normalisation), so that the weights of the entropy
+            # and the regulariser mean the same whatever the reward scale.
+            q_term = -q_pi / q_pi.abs().mean().detach().clamp(min=1e-6)
             out_of_range = (executed.abs() - 1.0).clamp(min=0.0).pow(2).flatten(1).sum(-1)
-            to_batch = (executed - batch["chunk"]).pow(2).flatten(1).sum(-1)
-            actor_loss = (alpha * logprob - q_pi + out_of_range + algo.action_reg * to_batch).mean()
+            base = executed_actions(self.policy, self.chain.base(batch["cond"], *noise))
+            to_base = (executed - base).pow(2).flatten(1).sum(-1)
+            actor_loss = (alpha * logprob + q_term + out_of_range + algo.action_reg * to_base).mean()
             self.actor_optimizer.zero_grad()
             actor_loss.backward()
             self.actor_optimizer.step()
             stats.update({"train/actor_loss": actor_loss.item(), "train/logprob": logprob.mean().item(),
-                          "train/action_reg": to_batch.mean().item()})
+                          "train/action_reg": to_base.mean().item()})
             if algo.target_entropy is not None:  # tune alpha so that -logprob tracks the target
                 alpha_loss = -(self.log_alpha * (logprob.detach() + algo.target_entropy)).mean()
                 self.alpha_optimizer.zero_grad()
