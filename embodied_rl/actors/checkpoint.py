@@ -15,8 +15,8 @@
                                      network sizes, variant          (noise actor and critics)
     recap                            the guidance weight             indicator.table; its base_policy/
                                                                      is the fine-tuned policy
-    qc_fql                           OneStepPolicy's sizes           actor.* (the one-step policy),
-                                                                     critic.* (the chunk critic)
+    qc_fql                           one_step (flow | mlp), and the  actor.* (the one-step policy's
+                                     MLP's sizes                     trained weights), critic.*
 
 `save_agent` writes a checkpoint, `read_agent_json` and `load_agent_tensors` read its parts, and
 `embodied_rl.actors.load_agent` builds the agent of any checkpoint. Checkpoints written before

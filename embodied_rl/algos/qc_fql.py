@@ -5,11 +5,13 @@ The MDP step is the executed action chunk a_{t:t+h} (h = n_action_steps of the b
   policy's conditioning (its encoding of the obs history), trained on chunk-level n-step
   backups: y = R_t + discount * min_pair Qbar(s_{t+h}, mu(s_{t+h}, z')), with R_t the chunk's
   rewards and discount = gamma ** steps (0 when the episode terminated inside the chunk);
-- a one-step policy mu(s, z) (actors/qc_fql.py) trained with
+- a one-step policy mu(s, z) (actors/qc_fql.py; `one_step`: one Euler step of a trainable copy
+  of the flow's velocity network, or FQL's fresh MLP) trained with
       L = -Q(s, mu(s, z)) / mean|Q| + alpha * || mu(s, z) - flow(s, z) ||^2,
   the Q term normalised by its batch magnitude (FQL's normalize_q_loss) and flow(s, z) the frozen
   base flow policy's chunk from the same noise z (the distillation term keeps mu near the BC
-  policy's support; alpha sets how near);
+  policy's support; alpha sets how near); the chunk executes clipped to the action range, and the
+  critic reads it so;
 - offline pre-training: `offline_updates` gradient steps on the demo dataset's chunk transitions
   before the first env step (step 0's evaluation shows the result); then online fine-tuning,
   collecting chunks with mu and z ~ N(0, I), each batch `demo_fraction` demos and the rest online
@@ -32,7 +34,13 @@ from omegaconf import OmegaConf
 from torch import Tensor
 
 from embodied_rl.actors import save_agent
-from embodied_rl.actors.qc_fql import AGENT_KIND, OneStepAgent, OneStepPolicy, one_step_config
+from embodied_rl.actors.qc_fql import (
+    AGENT_KIND,
+    ONE_STEP_FORMS,
+    OneStepAgent,
+    make_one_step,
+    one_step_config,
+)
 from embodied_rl.algos.chunks import (
     FIELDS,
     ChunkCritic,
@@ -52,6 +60,7 @@ class QCFQLConfig:
     """configs/algo/qc_fql.yaml (the one home of its defaults)."""
 
     name: str
+    one_step: str
     hidden_sizes: list[int]
     ensemble: int
     gamma: float
@@ -72,6 +81,7 @@ class QCFQLConfig:
     def from_cfg(cls, algo: Any) -> QCFQLConfig:
         config = cls(**OmegaConf.to_container(algo, resolve=True))
         checks = [
+            ("one_step", config.one_step in ONE_STEP_FORMS, f"one of {', '.join(ONE_STEP_FORMS)}"),
             ("ensemble", config.ensemble >= 1, ">= 1"),
             ("gamma", 0.0 <= config.gamma <= 1.0, "in [0, 1]"),
             ("tau", 0.0 < config.tau <= 1.0, "in (0, 1]"),
@@ -106,14 +116,15 @@ class QCFQL:
 
     def __init__(self, algo: QCFQLConfig, policy: Any, device: torch.device, seed: int):
         self.algo, self.policy = algo, policy
-        self.config = one_step_config(policy, algo.hidden_sizes)
-        self.actor = OneStepPolicy(**self.config).to(device)
+        self.config = one_step_config(policy, algo.one_step, algo.hidden_sizes)
+        self.actor = make_one_step(policy, self.config).to(device)
         chunk_dim = int(policy.n_action_steps) * int(policy.action_dim)
         self.critic = ChunkCritic(policy.cond_dim, chunk_dim, algo.hidden_sizes, algo.ensemble).to(device)
         self.critic_target = ChunkCritic(policy.cond_dim, chunk_dim, algo.hidden_sizes, algo.ensemble).to(device)
         self.critic_target.load_state_dict(self.critic.state_dict())
         self.critic_target.requires_grad_(False)
-        self.actor_optimizer = torch.optim.Adam(self.actor.parameters(), lr=algo.actor_lr)
+        trainable = [p for p in self.actor.parameters() if p.requires_grad]
+        self.actor_optimizer = torch.optim.Adam(trainable, lr=algo.actor_lr)
         self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=algo.critic_lr)
         self.generator = torch.Generator().manual_seed(seed)  # z of the updates and the critic pairs
 
@@ -124,7 +135,8 @@ class QCFQL:
         return torch.randn((n, *self.policy.noise_shape), generator=self.generator).to(self.policy.device)
 
     def executed(self, chunk: Tensor) -> Tensor:
-        return executed_actions(self.policy, chunk)
+        """The chunk's executed actions, clipped to the action range as the env runs them."""
+        return executed_actions(self.policy, chunk).clamp(-1.0, 1.0)
 
     def update(self, batch: dict[str, Tensor]) -> dict[str, float]:
         algo, policy = self.algo, self.policy
@@ -158,11 +170,12 @@ class QCFQL:
                 "train/distill_loss": distill.item()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"actor": self.actor.state_dict(), "critic": self.critic.state_dict(),
+        return {"actor": self.actor.tensors(), "critic": self.critic.state_dict(),
                 "critic_target": self.critic_target.state_dict(), "generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for name in ("actor", "critic", "critic_target"):
+        self.actor.load_tensors(state["actor"])
+        for name in ("critic", "critic_target"):
             getattr(self, name).load_state_dict(state[name])
         self.generator.set_state(state["generator"])
 
@@ -207,7 +220,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         return {k: torch.cat([p[k] for p in parts]) for k in FIELDS}
 
     def write_agent(path: Path) -> None:
-        tensors = {**{f"actor.{k}": v for k, v in learner.actor.state_dict().items()},
+        tensors = {**{f"actor.{k}": v for k, v in learner.actor.tensors().items()},
                    **{f"critic.{k}": v for k, v in learner.critic.state_dict().items()}}
         save_agent(path, AGENT_KIND, learner.config, tensors, policy)
 
@@ -247,7 +260,8 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     while loop.env_steps < loop.total_env_steps:
         with torch.no_grad():
             cond = rollout.cond()
-            transition, info = rollout.step(cond, learner.actor(cond, policy.initial_noise(num_envs, act_generator)))
+            chunk = learner.actor(cond, policy.initial_noise(num_envs, act_generator)).clamp(-1.0, 1.0)
+            transition, info = rollout.step(cond, chunk)
         replay.add(transition)
         loop.advance(num_envs * chunk_shape[0], info)  # the batch steps every chunk step (envs.step_chunk)
 
