@@ -69,6 +69,15 @@ def test_every_fine_tuning_method_applies_to_the_vla(bc, tmp_path, capsys):
         capsys.readouterr().err
 
 
+def test_qc_fql_copies_the_vla_velocity_network_as_its_one_step_policy(bc, tmp_path, capsys):
+    run_dir = tmp_path / "qc_fql"
+    assert main(["finetune", "algo=qc_fql", "task=tabletop", f"checkpoint={bc}", "num_envs=2", "eval_every=0",
+                 "eval_episodes=2", "videos=0", "env_steps=8", "algo.offline_updates=2", "algo.batch_size=8",
+                 "algo.hidden_sizes=[16,16]", f"run_dir={run_dir}"]) == 0, capsys.readouterr().err
+    assert main(["eval", f"checkpoint={run_dir}", "episodes=2", "num_envs=2", "videos=0",
+                 f"run_dir={tmp_path / 'eval_qc'}"]) == 0, capsys.readouterr().err
+
+
 def test_eval_on_held_out_combinations_and_with_any_instruction(bc, tmp_path, capsys):
     assert main(["eval", "task=tabletop", "task.instruction_split=held_out", f"checkpoint={bc}", "episodes=3",
                  "num_envs=3", "videos=0", f"run_dir={tmp_path / 'held_out'}"]) == 0, capsys.readouterr().err
