@@ -140,7 +140,8 @@ def test_two_ranks_train_resume_exactly_and_keep_equal_weights(algo, extra, bc, 
     assert [r["step"] for r in rows if "eval/success_rate" in r] == [0, 64, 128, 192, 256]
     # stopped half way and resumed: the same weights as the run that never stopped (every checkpoint
     # also checked that both ranks held the same weights)
-    assert torchrun("finetune", *common, "env_steps=128", f"run_dir={stopped}").returncode == 0
+    half = torchrun("finetune", *common, "env_steps=128", f"run_dir={stopped}")
+    assert half.returncode == 0, half.stderr[-3000:]
     resumed = torchrun("finetune", *common, "env_steps=256", f"run_dir={stopped}")
     assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
     a, b = agent_weights(straight), agent_weights(stopped)
