@@ -201,8 +201,9 @@ class SACFlow:
             self.critic.requires_grad_(False)  # the actor loss needs dQ/da only
             q_pi = self.critic(batch["cond"], executed.clamp(-1.0, 1.0)).mean(0)
             self.critic.requires_grad_(True)
-            # Q in units of the batch's |Q| (FQL's normalisation), so that the weights of the entropy
-            # and the regulariser mean the same whatever the reward scale.
+            # Q in units of the batch's |Q| (FQL's normalisation), so that the actor's weights of the
+            # entropy and the regulariser mean the same whatever the reward scale (the critic's soft
+            # target keeps alpha in reward units).
             q_term = -q_pi / q_pi.abs().mean().detach().clamp(min=1e-6)
             out_of_range = (executed.abs() - 1.0).clamp(min=0.0).pow(2).flatten(1).sum(-1)
             base = executed_actions(self.policy, self.chain.base(batch["cond"], *noise))
