@@ -77,6 +77,12 @@ class ChunkReplay:
         self.pos, self.size = int(state["pos"]) % self.capacity, size
 
 
+def normalised_q(q: Tensor) -> Tensor:
+    """Q in units of the batch's mean |Q| (FQL's normalize_q_loss), so that the weights of an
+    actor's other terms mean the same whatever the reward scale; the scale carries no gradient."""
+    return q / q.abs().mean().detach().clamp(min=1e-6)
+
+
 @torch.no_grad()
 def demo_chunk_transitions(dataset: Any, policy: Any, gamma: float, success_terminates: bool, sparse: bool,
                            device: torch.device) -> dict[str, Tensor]:

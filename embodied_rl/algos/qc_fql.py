@@ -47,6 +47,7 @@ from embodied_rl.algos.chunks import (
     ChunkReplay,
     ChunkRollout,
     demo_chunk_transitions,
+    normalised_q,
     restore_generators,
 )
 from embodied_rl.algos.common import FinetuneLoop, reward_settings
@@ -159,7 +160,7 @@ class QCFQL:
         self.critic.requires_grad_(False)  # the actor loss needs dQ/da only
         q_pi = self.critic(batch["cond"], self.executed(chunk)).mean(0)
         self.critic.requires_grad_(True)
-        q_loss = -q_pi.mean() / q_pi.abs().mean().detach().clamp(min=1e-6)
+        q_loss = -normalised_q(q_pi).mean()
         actor_loss = q_loss + algo.alpha * distill
         self.actor_optimizer.zero_grad()
         actor_loss.backward()

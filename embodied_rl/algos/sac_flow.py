@@ -50,6 +50,7 @@ from embodied_rl.algos.chunks import (
     ChunkReplay,
     ChunkRollout,
     demo_chunk_transitions,
+    normalised_q,
     restore_generators,
 )
 from embodied_rl.algos.common import FinetuneLoop, reward_settings
@@ -201,13 +202,13 @@ class SACFlow:
             self.critic.requires_grad_(False)  # the actor loss needs dQ/da only
             q_pi = self.critic(batch["cond"], executed.clamp(-1.0, 1.0)).mean(0)
             self.critic.requires_grad_(True)
-            # Q in units of the batch's |Q| (FQL's normalisation), so that the actor's weights of the
-            # entropy and the regulariser mean the same whatever the reward scale (the critic's soft
-            # target keeps alpha in reward units).
-            q_term = -q_pi / q_pi.abs().mean().detach().clamp(min=1e-6)
+            # the critic's soft target keeps alpha in reward units; the actor weighs it against Q / mean|Q|
+            q_term = -normalised_q(q_pi)
             out_of_range = (executed.abs() - 1.0).clamp(min=0.0).pow(2).flatten(1).sum(-1)
-            base = executed_actions(self.policy, self.chain.base(batch["cond"], *noise))
-            to_base = (executed - base).pow(2).flatten(1).sum(-1)
+            to_base = torch.zeros_like(q_pi)
+            if algo.action_reg > 0:  # the base chain costs a second pass of the velocity network
+                base = executed_actions(self.policy, self.chain.base(batch["cond"], *noise))
+                to_base = (executed - base).pow(2).flatten(1).sum(-1)
             actor_loss = (alpha * logprob + q_term + out_of_range + algo.action_reg * to_base).mean()
             self.actor_optimizer.zero_grad()
             actor_loss.backward()
