@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -187,6 +187,23 @@ def broadcast_object(obj: Any) -> Any:
     box = [obj if is_main() else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def check_on_main(check: Callable[[], None]) -> None:
+    """Run `check` on rank 0 alone and raise its UserError on every rank. For checks that read
+    the run directory: rank 0 may already be writing into it while a slower rank still looks."""
+    if not active():
+        check()
+        return
+    message = None
+    if is_main():
+        try:
+            check()
+        except UserError as error:
+            message = str(error)
+    message = broadcast_object(message)
+    if message is not None:
+        raise UserError(message)
 
 
 def barrier() -> None:

@@ -59,6 +59,15 @@ def _two_ranks(rank: int, init_file: str, results: str) -> None:
             distributed.shard(5)
         except UserError as error:
             out["shard_error"] = str(error)
+        checked = []
+
+        def check_once() -> None:  # fails wherever it runs: only rank 0 may run it
+            checked.append(rank)
+            raise UserError("run_dir holds files")
+        try:
+            distributed.check_on_main(check_once)
+        except UserError as error:
+            out["check_error"], out["checked"] = str(error), checked
         distributed.check_in_sync({"net": net})
         with torch.no_grad():
             net.weight[0, 0] += rank  # rank 1's weights now differ
@@ -84,6 +93,9 @@ def test_collectives_on_two_processes(tmp_path):
     assert r0["shard"] == r1["shard"] == 3 and r0["any"] and r1["any"]
     assert r0["gathered"] == [0, 10] and r1["gathered"] is None
     assert "num_envs=5 must be a multiple of the number of ranks (2)" in r0["shard_error"]
+    # a check of the run directory runs on rank 0 only, and its error stops every rank
+    assert r0["check_error"] == r1["check_error"] == "run_dir holds files"
+    assert r0["checked"] == [0] and r1["checked"] == []
     assert "weights differ" in r0["sync_error"] and "weights differ" in r1["sync_error"]
 
 
@@ -184,10 +196,10 @@ def test_a_rank_that_dies_stops_the_job_and_the_relaunch_resumes(bc, tmp_path):
     job = subprocess.Popen([*TORCHRUN, "-m", "embodied_rl", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True, env=env)
     try:
-        deadline = time.time() + 90
-        while not (run_dir / "checkpoints" / "last").exists() and time.time() < deadline:
+        deadline = time.time() + 180  # generous: a loaded machine starts torchrun slowly
+        while not (run_dir / "checkpoints" / "last").exists() and time.time() < deadline and job.poll() is None:
             time.sleep(0.5)
-        assert (run_dir / "checkpoints" / "last").exists()
+        assert (run_dir / "checkpoints" / "last").exists(), job.communicate()[1][-3000:] if job.poll() is not None else ""
         ranks = _children(job.pid)
         assert len(ranks) == 2
         os.kill(ranks[-1], signal.SIGKILL)  # rank 1 dies

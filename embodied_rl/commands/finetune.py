@@ -139,7 +139,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         raise UserError(f"checkpoint '{checkpoint}' acts in {policy.action_dim} dims, task {cfg.task.name} in {env.action_dim}")
     from embodied_rl.algos.common import find_checkpoint
 
-    check_previous_run(cfg)
+    distributed.check_on_main(lambda: check_previous_run(cfg))
     run = start_run(cfg, "finetune", allow_existing=True)
     # rank 0 finds (and repairs) the newest checkpoint
     resumed = find_checkpoint(run.file("checkpoints")) is not None if distributed.is_main() else None
