@@ -17,8 +17,9 @@ Backends: gloo on the CPU, nccl on CUDA. docs/scaling.md has the launch recipes.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
