@@ -5,6 +5,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -326,3 +327,32 @@ def test_vla_table_on_metaworld_mt10_reports_per_task_success_without_a_held_out
     checkpoint_config = json.loads((tmp_path / "pretrain" / "checkpoints" / "last" / "config.json").read_text())
     assert checkpoint_config["policy"]["obs_mode"] == "state"
     assert json.loads((tmp_path / "bc_eval" / "seen" / "eval_info.json").read_text())["task"] == "metaworld/MT10"
+
+
+def test_recap_rollout_data_trains_from_bc_on_each_kind_of_rollout(tmp_path, capsys, monkeypatch):
+    from embodied_rl.envs.tasks.reach import ReachTask
+
+    # a wider success radius, so that the untrained policy's rollouts end both ways
+    monkeypatch.setattr(ReachTask, "success_radius", 0.08)
+    bench = load_benchmark("recap_rollout_data")
+    from embodied_rl.data.dataset import write_demos
+    from embodied_rl.policies import make_policy, save_policy
+
+    rng = np.random.default_rng(0)
+    episodes = [{"obs": rng.standard_normal((10, 8)).astype(np.float32),
+                 "action": rng.uniform(-1, 1, (10, 2)).astype(np.float32),
+                 "reward": np.zeros(10, np.float32), "success": True} for _ in range(3)]
+    data = write_demos(tmp_path / "demos", episodes, {"task": "reach", "obs_dim": 8, "action_dim": 2})
+    torch.manual_seed(0)
+    policy = make_policy("flow", obs_dim=8, action_dim=2, n_obs_steps=2, horizon=4, n_action_steps=2,
+                         num_inference_steps=2, task="reach", backbone_kwargs=dict(hidden_dim=16, num_blocks=1, time_dim=8))
+    save_policy(policy, tmp_path / "bc", extra={"dataset": str(data)})
+    report = bench.run(bench.parse_args(["--task", "reach", "--checkpoint", str(tmp_path / "bc"), "--rollout-steps", "60",
+                                         "--num-envs", "8", "--updates", "3", "--batch-size", "16",
+                                         "--eval-episodes", "4"]))
+    assert report["successful"] > 0 and report["episodes"] > report["successful"]
+    assert set(report["success"]) == {"bc", "demos", "all", "successful", "failed", "conditioned"}
+    assert all(0.0 <= value <= 1.0 for value in report["success"].values())
+    # the untrained policy predicts neither the demos nor its own rollouts: every loss is positive
+    assert all(row["bc_loss"] > 0 for row in report["windows"].values())
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == report

@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from embodied_rl.actors.recap import IndicatorEmbedding, RecapAgent, guided_sample
-from embodied_rl.algos.recap import RolloutEpisodes, discounted_returns, nstep_advantages
+from embodied_rl.algos.recap import (
+    RolloutEpisodes,
+    discounted_returns,
+    nstep_advantages,
+    positive_indicator,
+)
 from embodied_rl.cli import main
 from embodied_rl.policies import make_policy
 from tests.test_finetune_cli import TINY, checkpoints  # noqa: F401  (a module fixture)
@@ -32,6 +37,19 @@ def test_nstep_advantages_by_hand():
     mc = discounted_returns(reward, gamma, tail=7.0) - value
     assert torch.allclose(nstep_advantages(reward, value, gamma, 0, tail=7.0), mc)
     assert torch.allclose(nstep_advantages(reward, value, gamma, 10, tail=7.0), mc)
+
+
+def test_the_positive_indicator_takes_the_top_share_but_never_a_step_below_v():
+    # half the steps beat V: the top 30% are positive
+    advantages = torch.linspace(-1.0, 1.0, 101)
+    positive, threshold = positive_indicator(advantages, 0.3)
+    assert threshold == pytest.approx(0.4) and int(positive.sum()) == 30
+    # one successful episode (2 steps above V) among failed ones (A = -V = 0 with V clamped to the
+    # returns' range [0, 1]): the quota of 30% is not filled with failed steps
+    success = nstep_advantages(torch.tensor([0.0, 1.0]), torch.tensor([0.5, 0.6]), 0.9, 0)
+    failed = nstep_advantages(torch.zeros(8), torch.tensor([-0.02] * 8).clamp(0.0, 1.0), 0.9, 0)
+    positive, threshold = positive_indicator(torch.cat([success, failed]), 0.3)
+    assert threshold == 0.0 and positive.tolist() == [True, True] + [False] * 8
 
 
 def test_rollout_episodes_are_cut_per_env_across_calls():
