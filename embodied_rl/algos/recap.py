@@ -63,6 +63,7 @@ class RecapConfig:
     advantage_steps: int
     positive_fraction: float
     demo_fraction: float
+    negative_weight: float
     keep_iterations: int
     condition_dropout: float
     guidance: float
@@ -85,6 +86,7 @@ class RecapConfig:
             ("advantage_steps", config.advantage_steps >= 0, ">= 0 (0 = Monte-Carlo)"),
             ("positive_fraction", 0.0 < config.positive_fraction < 1.0, "in (0, 1)"),
             ("demo_fraction", 0.0 <= config.demo_fraction <= 1.0, "in [0, 1]"),
+            ("negative_weight", 0.0 <= config.negative_weight <= 1.0, "in [0, 1]"),
             ("keep_iterations", config.keep_iterations >= 1, ">= 1"),
             ("condition_dropout", 0.0 <= config.condition_dropout < 1.0, "in [0, 1)"),
             ("guidance", config.guidance >= 0.0, ">= 0"),
@@ -148,6 +150,15 @@ def positive_indicator(advantages: Tensor, positive_fraction: float) -> tuple[Te
     better than V expected. Returns (I [T] bool, threshold)."""
     threshold = max(float(torch.quantile(advantages, 1.0 - positive_fraction)), 0.0)
     return advantages > threshold, threshold
+
+
+def draw_windows(positive: Tensor, count: int, negative_weight: float, generator: torch.Generator) -> Tensor:
+    """`count` window indices, a negative window drawn `negative_weight` times as often as a
+    positive one (uniform when it is 1)."""
+    if negative_weight == 1.0:
+        return torch.randint(len(positive), (count,), generator=generator)
+    weight = torch.where(positive, 1.0, negative_weight)
+    return torch.multinomial(weight, count, replacement=True, generator=generator)
 
 
 def policy_obs(policy: Any, obs: Any) -> Any:
@@ -360,7 +371,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
 
         # ---- 4. advantage-conditioned BC on demos (positive) and rollouts ----
         sources = [(demo_windows, None)]
-        if positive is not None:
+        if positive is not None and (algo.negative_weight > 0 or bool(positive.any())):
             sources.append((ChunkWindows(concat_episodes(kept, dataset.instructions), policy.n_obs_steps,
                                          policy.horizon, policy.obs_mode, device), positive))
         demo_count = algo.batch_size if len(sources) == 1 else int(round(algo.batch_size * algo.demo_fraction))
@@ -374,7 +385,10 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
             for (windows, label), count in zip(sources, counts):
                 if count == 0:
                     continue
-                index = torch.randint(len(windows), (count,), generator=sampler)
+                if label is None:
+                    index = torch.randint(len(windows), (count,), generator=sampler)
+                else:
+                    index = draw_windows(label, count, algo.negative_weight, sampler)
                 parts.append(windows.batch(index))
                 labels.append(torch.ones(count, dtype=torch.bool) if label is None else label[index])
             batch = {key: torch.cat([part[key] for part in parts]) for key in batch_keys}

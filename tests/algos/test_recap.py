@@ -12,6 +12,7 @@ from embodied_rl.actors.recap import IndicatorEmbedding, RecapAgent, guided_samp
 from embodied_rl.algos.recap import (
     RolloutEpisodes,
     discounted_returns,
+    draw_windows,
     nstep_advantages,
     positive_indicator,
 )
@@ -50,6 +51,16 @@ def test_the_positive_indicator_takes_the_top_share_but_never_a_step_below_v():
     failed = nstep_advantages(torch.zeros(8), torch.tensor([-0.02] * 8).clamp(0.0, 1.0), 0.9, 0)
     positive, threshold = positive_indicator(torch.cat([success, failed]), 0.3)
     assert threshold == 0.0 and positive.tolist() == [True, True] + [False] * 8
+
+
+def test_negative_windows_are_drawn_by_their_weight():
+    positive = torch.tensor([True, False, False, False])
+    generator = torch.Generator().manual_seed(0)
+    assert set(draw_windows(positive, 200, 0.0, generator).tolist()) == {0}  # filtered BC
+    uniform = draw_windows(positive, 4000, 1.0, generator)
+    assert abs(float((uniform == 0).float().mean()) - 0.25) < 0.03
+    weighted = draw_windows(positive, 4000, 0.5, generator)  # 1 : 3 x 0.5 -> 40% positive
+    assert abs(float((weighted == 0).float().mean()) - 0.4) < 0.03
 
 
 def test_rollout_episodes_are_cut_per_env_across_calls():
