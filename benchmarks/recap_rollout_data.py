@@ -160,6 +160,16 @@ def run(args: argparse.Namespace) -> dict:
         guided = variant == "conditioned"
         report["success"][variant] = success(trained, indicator if guided else zero, args.guidance if guided else 1.0)
         print(f"  {args.updates} updates on {variant:<11} -> {report['success'][variant]:.2f}")
+        if guided:  # how far the indicator moves the conditioning, beside the conditioning's own size
+            demo = sources["demos"].batch(torch.arange(min(len(sources["demos"]), 1024)))
+            extra = {key: demo[key] for key in ("pixels", "instruction") if key in demo}
+            with torch.no_grad():
+                cond = trained.encode_obs({"state": demo["obs"], **extra} if extra else demo["obs"])
+                report["indicator_norm"] = {"positive": float(indicator.table[1].norm()),
+                                            "negative": float(indicator.table[0].norm()),
+                                            "conditioning": float(cond.norm(dim=-1).mean())}
+            print("    indicator embedding norms: positive {positive:.3f}, negative {negative:.3f}; "
+                  "conditioning {conditioning:.3f}".format(**report["indicator_norm"]))
     report["wall_s"] = time.perf_counter() - started
     print(json.dumps(report))
     return report

@@ -355,4 +355,5 @@ def test_recap_rollout_data_trains_from_bc_on_each_kind_of_rollout(tmp_path, cap
     assert all(0.0 <= value <= 1.0 for value in report["success"].values())
     # the untrained policy predicts neither the demos nor its own rollouts: every loss is positive
     assert all(row["bc_loss"] > 0 for row in report["windows"].values())
+    assert report["indicator_norm"]["conditioning"] > 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == report
