@@ -15,11 +15,12 @@ One iteration:
      positive), and never below 0: a step is positive only where it did better than V expected.
      Without that floor, when successful episodes hold fewer than 30% of the steps (they end
      early), steps of failed episodes fill the quota, and imitating those is what pulls the
-     policy down (peg_insert: 500 BC updates on demos plus failed rollouts take the BC policy
-     from 40% to 21%; plus successful ones, 41%). Demonstrations are labelled positive (expert
-     data, like pi*0.6's corrections);
+     policy down (benchmarks/recap_rollout_data.py: on peg_insert, BC updates on the demos plus
+     failed rollouts halve the BC policy's success; plus successful ones keep it). Demonstrations
+     are labelled positive (expert data, like pi*0.6's corrections);
   4. fine-tune every weight of the policy and the indicator embedding with the policy's own BC
-     loss on windows of demos and rollouts (`demo_fraction` of each batch from the demos),
+     loss on windows of demos and rollouts (`demo_fraction` of each batch from the demos; a
+     negative rollout window drawn `negative_weight` times as often as a positive one),
      conditioned on their indicators, dropping the indicator with probability
      `condition_dropout` so the unconditioned policy that guidance needs is learned too.
 
