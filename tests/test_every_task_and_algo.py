@@ -82,3 +82,11 @@ def test_every_algorithm_fine_tunes_and_checkpoints_on_every_manipulation_task(t
         assert main(["finetune", f"algo={algo}", "env_steps=32", f"run_dir={run_dir}", *common, *extra]) == 0, \
             capsys.readouterr().err
         assert (run_dir / "checkpoints" / "last" / checkpoint_file).exists()
+    # RECAP, with episodes short enough that its rollouts are labelled and trained on
+    run_dir = tmp_path / "recap"
+    assert main(["finetune", "algo=recap", "env_steps=32", f"run_dir={run_dir}", "task.max_episode_steps=3", "log_every=1", *common,
+                 "algo.rollout_steps=4", "algo.policy_updates=2", "algo.value_updates=2", "algo.batch_size=8"]) == 0, \
+        capsys.readouterr().err
+    assert (run_dir / "checkpoints" / "last" / "agent.json").exists()
+    trained = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    assert any(row.get("train/rollout_episodes", 0) > 0 for row in trained)
