@@ -28,8 +28,10 @@ OFF_POLICY = {
 }
 # chunk-level off-policy methods (no WSRL stages); sac_flow's checkpoint is the fine-tuned policy itself
 CHUNK_OFF_POLICY = {
-    "qc_fql": (["algo.hidden_sizes=[16,16]", "algo.batch_size=16", "algo.offline_updates=2"], "agent.json"),
-    "sac_flow": (["algo.critic_hidden_sizes=[16,16]", "algo.batch_size=16", "algo.critic_only_steps=8"], "config.json"),
+    "qc_fql": (["algo.hidden_sizes=[16,16]", "algo.batch_size=16", "algo.offline_updates=2", "algo.buffer_size=1000"],
+               "agent.json"),
+    "sac_flow": (["algo.critic_hidden_sizes=[16,16]", "algo.batch_size=16", "algo.critic_only_steps=8",
+                  "algo.buffer_size=1000"], "config.json"),
 }
 
 

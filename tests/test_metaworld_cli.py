@@ -1,6 +1,7 @@
 """Meta-World through every command on EnvPool (tiny scale): collect with Meta-World's own
 scripted policy -> pretrain (flow and diffusion) -> eval with a video -> finetune with one method
-of each training loop (PPO, off-policy residual, DSRL), resumed from a checkpoint -> eval."""
+of each training loop (PPO, off-policy residual, DSRL, QC-FQL, SAC Flow, RECAP), resumed from a
+checkpoint -> eval."""
 
 import json
 
@@ -22,6 +23,10 @@ FINETUNE = {
                            "algo.batch_size=16", "algo.warmup_env_steps=16", "algo.critic_only_steps=0"],
     "dsrl": ["algo.hidden_sizes=[16,16]", "algo.batch_size=16", "algo.warmup_env_steps=16",
              "algo.critic_only_steps=0"],
+    "qc_fql": ["algo.hidden_sizes=[16,16]", "algo.batch_size=16", "algo.offline_updates=2", "algo.buffer_size=1000"],
+    "sac_flow": ["algo.critic_hidden_sizes=[16,16]", "algo.batch_size=16", "algo.critic_only_steps=8",
+                 "algo.buffer_size=1000"],
+    "recap": ["algo.rollout_steps=4", "algo.policy_updates=2", "algo.value_updates=2", "algo.batch_size=8"],
 }
 
 
