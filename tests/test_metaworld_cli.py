@@ -78,3 +78,23 @@ def test_finetune_resume_and_eval(algo, demos, capsys):
     assert "episodes in progress restart" in capsys.readouterr().out
     assert main(["eval", f"checkpoint={run_dir}", *TASK, "episodes=2", "num_envs=2",
                  "videos=0", f"run_dir={demos / ('eval_' + algo)}"]) == 0, capsys.readouterr().err
+
+
+def test_collect_per_instruction_keeps_k_demos_per_task_of_a_suite(tmp_path):
+    """A few-shot multi-task set: per_instruction=1 on MT10 keeps one demo of each task and stops
+    once every task has one, short of demos=20."""
+    from embodied_rl.data import DemoDataset
+
+    assert main(["collect", "task=metaworld/MT10", "demos=20", "per_instruction=1", "num_envs=10",
+                 f"run_dir={tmp_path / 'collect'}"]) == 0
+    info = json.loads((tmp_path / "collect" / "collect_info.json").read_text())
+    assert info["per_instruction"] == 1 and info["episodes_written"] == 10
+    dataset = DemoDataset.load(tmp_path / "collect" / "demos.zarr")
+    first_ids = [int(dataset.instruction[dataset.episode_bounds(e)[0]]) for e in range(dataset.num_episodes)]
+    assert sorted(first_ids) == list(range(10))
+
+
+def test_collect_refuses_a_bad_per_instruction(tmp_path, capsys):
+    assert main(["collect", "task=metaworld/reach", "per_instruction=0", f"run_dir={tmp_path / 'c'}"]) == 2
+    assert "per_instruction must be null or an integer >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()

@@ -6,6 +6,10 @@ finished episode is kept if it succeeded (or always, with only_success=false or 
 without success, like hopper) and was not cut short by unstable physics. Collection stops once
 `demos` episodes are kept, or after `max_episodes` attempts (default 20 * demos): then whatever
 was kept is written.
+
+`per_instruction=k` makes a few-shot multi-task set: at most k episodes are kept per instruction
+(per task of a Meta-World suite). An instruction given 10 * k attempts is given up,
+and collection also stops once every instruction of the task is full or given up.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
         raise UserError(f"demos must be >= 1, got {cfg.demos}")
     if not 0.0 <= float(cfg.quality) <= 1.0:
         raise UserError(f"quality must be in [0, 1], got {cfg.quality}")
+    if cfg.per_instruction is not None and (not isinstance(cfg.per_instruction, int)
+                                            or isinstance(cfg.per_instruction, bool) or cfg.per_instruction < 1):
+        raise UserError(f"per_instruction must be null or an integer >= 1, got {cfg.per_instruction!r}")
     if cfg.max_episodes is not None and cfg.max_episodes < cfg.demos:
         raise UserError(f"max_episodes ({cfg.max_episodes}) must be >= demos ({cfg.demos})")
     if cfg.out is not None and Path(cfg.out).exists():
@@ -49,9 +56,21 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
 
 
 def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_success: bool,
-                     pixels: bool, seed: int) -> tuple[list[dict[str, np.ndarray]], int, int]:
-    """Run the expert until `demos` episodes are kept; return (kept, attempted, successes)."""
+                     pixels: bool, seed: int, per_instruction: int | None = None,
+                     ) -> tuple[list[dict[str, np.ndarray]], int, int]:
+    """Run the expert until `demos` episodes are kept (or, with `per_instruction`, every
+    instruction is full or given up); return (kept, attempted, successes)."""
     n = env.num_envs
+    num_instructions = len(env.instructions)
+    kept_by = np.zeros(max(num_instructions, 1), dtype=np.int64)  # per instruction id
+    attempted_by = np.zeros_like(kept_by)
+
+    def settled() -> bool:
+        """Every instruction full or given up (only with per_instruction on a task with instructions)."""
+        if per_instruction is None or not num_instructions:
+            return False
+        return bool(np.all((kept_by >= per_instruction) | (attempted_by >= 10 * per_instruction)))
+
     obs, _ = env.reset(seed=seed)
     expert.reset(torch.ones(n, dtype=torch.bool))
 
@@ -62,7 +81,7 @@ def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_
     kept: list[dict[str, np.ndarray]] = []
     attempted = successes = 0
     bar = progress(total=demos, desc="collect")
-    while len(kept) < demos and attempted < max_episodes:
+    while len(kept) < demos and attempted < max_episodes and not settled():
         action = expert.act(obs)
         state = (obs["state"] if isinstance(obs, dict) else obs).cpu().numpy()
         frames = obs["pixels"].cpu().numpy() if pixels else None
@@ -84,7 +103,11 @@ def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_
             attempted += 1
             success = bool(success_once[i]) and not bool(unstable[i])
             successes += int(success)
-            if (success or not only_success) and not bool(unstable[i]) and len(kept) < demos:
+            instruction_id = int(buffers[i]["instruction"][0]) if buffers[i]["instruction"] else 0
+            attempted_by[instruction_id] += 1
+            room = per_instruction is None or kept_by[instruction_id] < per_instruction
+            if (success or not only_success) and not bool(unstable[i]) and len(kept) < demos and room:
+                kept_by[instruction_id] += 1
                 episode = {key: np.stack(value) for key, value in buffers[i].items() if value}
                 episode["success"] = success
                 kept.append(episode)
@@ -117,7 +140,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         # a task without success (reward-only, e.g. hopper) keeps every stable episode
         has_success = bool(env.task.has_success)
         kept, attempted, successes = collect_episodes(
-            env, expert, cfg.demos, max_episodes, cfg.only_success and has_success, cfg.pixels, cfg.seed
+            env, expert, cfg.demos, max_episodes, cfg.only_success and has_success, cfg.pixels, cfg.seed,
+            cfg.per_instruction,
         )
         obs_dim, action_dim = env.task.obs_dim, env.task.action_dim
         instructions = list(env.instructions)
@@ -148,6 +172,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         "expert_success_rate": success_rate,
         "demo_return_mean": demo_return,
         "quality": float(cfg.quality),
+        "per_instruction": cfg.per_instruction,
         "seed": int(cfg.seed),
         "pixels": bool(cfg.pixels),
         "wall_time_s": time.perf_counter() - started,
