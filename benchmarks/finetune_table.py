@@ -116,11 +116,18 @@ def bc_checkpoint(task: str, given: dict[str, str], root: Path, collect: list[st
 
 
 def overrides_for(algo: str, sets: list[str]) -> list[str]:
-    """--set entries: `key=value` applies to every algo, `ALGO:key=value` to that algo only."""
+    """--set entries: `key=value` applies to every algo, `ALGO:key=value` to that algo only. Any
+    other prefix (a task's name, say) is refused: one config serves every task of a run."""
+    from embodied_rl.paths import config_dir
+
+    algos = {path.stem for path in (config_dir() / "algo").glob("*.yaml")}
     chosen = []
     for entry in sets:
         prefix, _, rest = entry.partition(":")
         if rest and "=" not in prefix:
+            if prefix not in algos:
+                raise ValueError(f"--set {entry}: '{prefix}' is not an algorithm (configs/algo/); per-task "
+                                 "overrides are not supported, one config serves every task")
             if prefix == algo:
                 chosen.append(rest)
         else:
@@ -274,7 +281,13 @@ def parse_args() -> argparse.Namespace:
     b.add_argument("--out", default="runs/bench", help="run directories; finished runs are reused")
     b.add_argument("--set", nargs="*", default=[],
                    help="finetune overrides: key=value for every algo, ALGO:key=value for one (dppo:algo.lr=3e-4)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    try:
+        for algo in getattr(args, "algos", []):
+            overrides_for(algo, args.set)
+    except ValueError as error:
+        b.error(str(error))
+    return args
 
 
 if __name__ == "__main__":

@@ -329,6 +329,33 @@ def test_vla_table_on_metaworld_mt10_reports_per_task_success_without_a_held_out
     assert json.loads((tmp_path / "bc_eval" / "seen" / "eval_info.json").read_text())["task"] == "metaworld/MT10"
 
 
+def test_vla_table_mt50_is_the_few_shot_protocol_with_issue_targets():
+    bench = load_benchmark("vla_table")
+    args = bench.parse_args(["--suite", "metaworld/MT50"])
+    assert args.per_instruction == 5 and args.num_envs % 50 == 0 and args.eval_episodes >= 1000
+    assert bench.splits(args.suite) == ("seen",)  # no held-out split, no shuffled ablation
+    goals = args.suite.targets
+    assert goals.rl_target("reinflow", 0.5) == 0.86 and goals.rl_target("dsrl", 0.5) == 0.65
+    bc = {"seen": {"average": 0.5, "by_instruction": {"a": 0.5, "b": 0.5}}}
+    rl = {"seen": {"average": 0.96, "by_instruction": {"a": 0.46, "b": 0.44}}}
+    run = {"target": 0.95, "train_wall_s": 100.0}
+    targets = bench.check_targets({"bc": bc, "residual_offpolicy": rl}, {"residual_offpolicy": run}, goals)
+    assert targets["bc_seen"] and targets["residual_offpolicy"]["reached_within_limit"]
+    assert targets["residual_offpolicy"]["below_bc"] == ["b"]  # 6 points below BC; 4 are tolerated
+
+
+def test_benchmark_tables_refuse_a_per_task_override(capsys):
+    import pytest
+
+    bench = load_benchmark("vla_table")
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(["--suite", "metaworld/MT50", "--algos", "reinflow", "--set", "pick-place:algo.lr=1e-5"])
+    assert exit_info.value.code == 2
+    assert "per-task overrides are not supported" in capsys.readouterr().err
+    assert bench.overrides_for("reinflow", ["reinflow:algo.lr=1e-5", "dsrl:algo.lr=1", "seed=3"]) == [
+        "algo.lr=1e-5", "seed=3"]
+
+
 def test_recap_rollout_data_trains_from_bc_on_each_kind_of_rollout(tmp_path, capsys, monkeypatch):
     from embodied_rl.envs.tasks.reach import ReachTask
 
