@@ -84,12 +84,83 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         raise
 
 
-def progress(iterable: Iterable | None = None, total: int | None = None, desc: str = "", show: bool = True):
-    """A tqdm progress bar, shown only when stderr is a terminal (and `show`: data-parallel
-    ranks other than 0 pass False)."""
-    from tqdm.auto import tqdm
+PROGRESS_EVERY_S = 30.0  # seconds between progress lines when stderr is not a terminal
 
-    return tqdm(iterable, total=total, desc=desc, disable=not (show and sys.stderr.isatty()), leave=False)
+
+def progress(iterable: Iterable | None = None, total: int | None = None, desc: str = "", show: bool = True,
+             initial: int = 0, every_s: float = PROGRESS_EVERY_S):
+    """Progress of a long loop on stderr: a tqdm bar when stderr is a terminal, else one line
+    every `every_s` seconds and one at the end (ProgressLines), so a redirected run (nohup,
+    CI, `make demo > log`) still shows that it moves. `initial`: what a resumed loop had done.
+    `show=False` prints nothing (data-parallel ranks other than 0)."""
+    if show and sys.stderr.isatty():
+        from tqdm.auto import tqdm
+
+        return tqdm(iterable, total=total, desc=desc, initial=initial, leave=False)
+    return ProgressLines(iterable, total=total, desc=desc, show=show, initial=initial, every_s=every_s)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class ProgressLines:
+    """The progress bar of a run whose stderr is not a terminal: the same calls as tqdm
+    (iterate, `update(n)`, `set_postfix(**values)`, `close()`), printed as lines such as
+    `[pretrain] 1200/3000 (40%) loss=0.0412 | 35.1 it/s | ETA 51s`."""
+
+    def __init__(self, iterable: Iterable | None = None, total: int | None = None, desc: str = "",
+                 show: bool = True, initial: int = 0, every_s: float = PROGRESS_EVERY_S):
+        import time
+
+        self.iterable, self.total, self.desc, self.show, self.every_s = iterable, total, desc, show, every_s
+        self.n = self.start_n = int(initial)  # the rate counts this process's work only
+        self.postfix: dict[str, Any] = {}
+        self._clock = time.perf_counter
+        self.start = self.last_print = self._clock()
+        self.closed = False
+
+    def __iter__(self):
+        for item in self.iterable:
+            yield item
+            self.update(1)
+        self.close()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.show and self._clock() - self.last_print >= self.every_s:
+            self._print()
+
+    def set_postfix(self, **values: Any) -> None:
+        self.postfix.update(values)
+
+    def line(self) -> str:
+        elapsed = max(self._clock() - self.start, 1e-9)
+        rate = (self.n - self.start_n) / elapsed
+        done = f"{self.n}/{self.total} ({100 * self.n / self.total:.0f}%)" if self.total else f"{self.n}"
+        parts = [f"[{self.desc}] {done}" + "".join(f" {k}={v}" for k, v in self.postfix.items()),
+                 f"{rate:.3g} it/s"]
+        if self.closed:
+            parts.append(f"took {_duration(elapsed)}")
+        elif self.total and rate > 0:
+            parts.append(f"ETA {_duration((self.total - self.n) / rate)}")
+        return " | ".join(parts)
+
+    def _print(self) -> None:
+        print(self.line(), file=sys.stderr, flush=True)
+        self.last_print = self._clock()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.show and self.n > self.start_n:
+            self._print()
 
 
 LOCK_FILE = ".lock"
@@ -149,6 +220,23 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+LOSS_GROWTH = 1e4  # a logged loss this many times its first size (at least 1) gets a warning
+DONE_FILE = "done.json"  # written last by a command that ran to its end (commands.run_command)
+
+
+def _row_step(line: str) -> int | None:
+    """The step of a metrics.jsonl line; None for a line cut short by a kill."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def is_done(run_dir: str | Path) -> bool:
+    """Whether a run directory holds a run that ran to its end (its done.json)."""
+    return (Path(run_dir) / DONE_FILE).is_file()
+
+
 class Run:
     """One run directory and its loggers.
 
@@ -160,6 +248,9 @@ class Run:
     """
 
     writes = True
+    # the run directories this process created, oldest first (commands.run_command removes one
+    # that a refused command left holding nothing but its config)
+    created: list[Path] = []
 
     def __init__(self, path: str | Path, command: str = "", allow_existing: bool = False):
         self.path = Path(path)
@@ -170,9 +261,18 @@ class Run:
             raise UserError(
                 f"run_dir '{self.path}' already holds files; choose a new run_dir (nothing was overwritten)"
             )
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._lock = _lock_run_dir(self.path)
+        new = not self.path.exists()
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._lock = _lock_run_dir(self.path)
+        except OSError as error:  # a read-only or missing parent, a file on the way, /proc, a full disk
+            raise UserError(f"cannot write run_dir '{self.path}': {error.strerror or error}") from None
+        if new:
+            Run.created.append(self.path)
         self._tb = None
+        self._purge_step: int | None = None
+        self._loss_baseline: dict[str, float] = {}
+        self._warned_growth = False
 
     @classmethod
     def follower(cls, path: str | Path, command: str = "") -> Run:
@@ -206,9 +306,35 @@ class Run:
         if writer is not None:
             for key, value in scalars.items():
                 writer.add_scalar(key, float(value), int(step))
+        self._watch_losses(int(step), scalars)
+
+    def _watch_losses(self, step: int, scalars: dict[str, Any]) -> None:
+        """Warn once per run when a loss grows by LOSS_GROWTH over its first logged size: a
+        learning rate far too high often shows there long before anything turns non-finite."""
+        for key, value in scalars.items():
+            if not key.endswith("loss") or not isinstance(value, (int, float)) or not math.isfinite(value):
+                continue
+            baseline = self._loss_baseline.setdefault(key, max(abs(value), 1.0))
+            if abs(value) > LOSS_GROWTH * baseline and not self._warned_growth:
+                self._warned_growth = True
+                print(f"warning: {key} grew to {value:.3g} at step {step} (first logged about {baseline:.3g}); "
+                      "training may be diverging: a lower learning rate usually helps", file=sys.stderr, flush=True)
 
     def read_metrics(self) -> list[dict[str, Any]]:
         return read_metrics(self.path)
+
+    def forget_metrics_after(self, step: int) -> None:
+        """Drop the metrics rows after `step`: a run resumed from its checkpoint at `step` redoes
+        them, and the redone rows replace the old ones (one curve, no duplicate points).
+        TensorBoard purges its events after `step` the same way."""
+        if not self.writes:
+            return
+        path = self.file("metrics.jsonl")
+        if path.exists():
+            kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+                    if line.strip() and _row_step(line) is not None and _row_step(line) <= step]
+            atomic_write_text(path, "".join(line + "\n" for line in kept))
+        self._purge_step = int(step) + 1
 
     def _tensorboard(self):
         if self._tb is None:
@@ -217,7 +343,7 @@ class Run:
             except ImportError:  # tensorboard is a dependency, but logging must never kill a run
                 self._tb = False
                 return None
-            self._tb = SummaryWriter(str(self.file("tb")))
+            self._tb = SummaryWriter(str(self.file("tb")), purge_step=self._purge_step)
         return self._tb or None
 
     def close(self) -> None:

@@ -28,14 +28,31 @@ def test_quickstart_writes_a_report_and_skips_finished_stages(tmp_path, capsys):
     info = json.loads((run_dir / "quickstart_info.json").read_text())
     assert info["before"]["n_episodes"] == 2 and info["after"]["n_episodes"] == 2
 
-    # a re-run (e.g. after a kill) redoes only what is missing
-    (run_dir / "5_eval_finetuned" / "eval_info.json").unlink()
+    for stage in ("", "1_collect", "2_pretrain", "3_eval_pretrained", "4_finetune", "5_eval_finetuned"):
+        assert (run_dir / stage / "done.json").exists()  # written last by each command
+
+    # a re-run after a kill during fine-tuning: finetune's periodic eval_info.json is no done-marker,
+    # so the finetune stage resumes (and says so) and the last evaluation runs again
+    (run_dir / "4_finetune" / "done.json").unlink()
+    (run_dir / "5_eval_finetuned" / "done.json").unlink()
     assert main(["quickstart", *TINY, f"run_dir={run_dir}"]) == 0
     out = capsys.readouterr().out
+    assert "resuming this run_dir: 1_collect done, 2_pretrain done, 3_eval_pretrained done, " \
+           "4_finetune stopped at its checkpoint of step 200, 5_eval_finetuned stopped" in out
     assert "collect: done already" in out and "pretrain: done already" in out
-    assert "eval -> " in out
+    assert "finetune -> " in out and "resuming from" in out
+    assert "eval: stopped before its end last time; starting it again" in out
 
 
 def test_quickstart_rejects_bad_counts(capsys):
     assert main(["quickstart", "demos=0"]) == 2
     assert "demos" in capsys.readouterr().err
+
+
+def test_quickstart_refuses_a_finetune_that_never_trains_the_actor(tmp_path, capsys):
+    run_dir = tmp_path / "qs"
+    assert main(["quickstart", "finetune_env_steps=10000", f"run_dir={run_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert "env_steps=10000 ends before the actor's first update (algo.warmup_env_steps=5000 + " \
+           "algo.critic_only_steps=10000" in err
+    assert not run_dir.exists()

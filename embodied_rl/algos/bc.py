@@ -7,7 +7,9 @@ The loop samples a batch of windows, takes one gradient step on `policy.bc_loss`
 copy (the weights used for evaluation and saved in checkpoints), logs loss and lr every
 `log_every` steps, and calls `evaluate_fn` / `checkpoint_fn` with the EMA policy every
 `eval_every` steps and once at the end (`checkpoint_fn(ema_policy, policy, optimizer, step)`;
-`save_checkpoint` writes one).
+`save_checkpoint` writes one). A non-finite loss, gradient norm or weight stops it with
+`Diverged` (exit code 3); weights are checked before every checkpoint, so checkpoints/last stays
+finite.
 
 Data-parallel (torchrun, embodied_rl/distributed.py): every rank samples its own batches (its own
 seed), the gradients are averaged across ranks before each step (a step of K ranks sees K
@@ -30,6 +32,7 @@ import torch
 from torch import nn
 
 from embodied_rl import distributed
+from embodied_rl.algos.common import diverged, refuse_non_finite
 from embodied_rl.data.windows import ChunkWindows
 from embodied_rl.policies.base import ChunkPolicy
 from embodied_rl.policies.checkpoint import write_policy_files
@@ -144,8 +147,13 @@ def train_bc(
     evals: list[tuple[int, dict[str, Any]]] = []
     running_loss, running_count = 0.0, 0
     start = time.perf_counter()
+    saved: str | None = None  # the step checkpoints/last holds, for the divergence message
 
     def evaluate_and_save(step: int) -> None:
+        nonlocal saved
+        # the ranks' weights are equal, so every rank stops here alike
+        refuse_non_finite(f"step {step}", saved, weights=ema.model.state_dict(), raw_weights=policy.state_dict(),
+                          optimizer=optimizer.state_dict())
         if not distributed.is_main():
             return
         if evaluate_fn is not None:
@@ -155,6 +163,7 @@ def train_bc(
                 run.log(step, {f"eval/{k}": v for k, v in metrics.items()})
         if checkpoint_fn is not None:
             checkpoint_fn(ema.model, policy, optimizer, step)
+            saved = f"step {step}"
 
     policy.train()
     bar = progress(range(1, config.steps + 1), total=config.steps, desc="pretrain", show=distributed.is_main())
@@ -162,11 +171,13 @@ def train_bc(
         batch = windows.sample(config.batch_size, generator)
         loss = policy.bc_loss(batch)
         if not torch.isfinite(loss):
-            raise FloatingPointError(f"BC loss became {loss.item()} at step {step}")
+            raise diverged(f"step {step}", "train/loss", saved)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         distributed.average_gradients(policy.parameters())
-        nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip)
+        grad_norm = nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip)
+        if not torch.isfinite(grad_norm):
+            raise diverged(f"step {step}", "train/grad_norm", saved)
         optimizer.step()
         lr_schedule.step()
         ema.update(policy)

@@ -42,8 +42,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import random
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -139,7 +141,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _checkpoint_step(path: Path) -> int | None:
+def checkpoint_step(path: Path) -> int | None:
     """The step of a complete checkpoint directory, else None."""
     try:
         return int(json.loads((path / TRAINING_STATE / COUNTERS).read_text())["step"])
@@ -151,7 +153,7 @@ def _point_last(root: Path, target: Path) -> None:
     """Make checkpoints/last a symlink to `target`, in one rename."""
     last = root / "last"
     if last.is_dir() and not last.is_symlink():  # a directory `last` (older layout): keep it, numbered
-        step = _checkpoint_step(last)
+        step = checkpoint_step(last)
         numbered = root / str(step)
         if step is not None and not numbered.exists():
             os.replace(last, numbered)
@@ -174,9 +176,9 @@ def find_checkpoint(root: str | Path) -> Path | None:
         return None
     candidates = []
     for child in root.iterdir():
-        if child.is_symlink() or not child.is_dir():
+        if child.is_symlink() or not child.is_dir() or child.name.endswith(".unreadable"):
             continue
-        step = _checkpoint_step(child)
+        step = checkpoint_step(child)
         if step is not None:
             candidates.append((step, child.name == str(step), child))
         elif child.name.startswith(".") and child.name.endswith(".tmp"):
@@ -191,6 +193,36 @@ def find_checkpoint(root: str | Path) -> Path | None:
             best = target
     _point_last(root, best)
     return best
+
+
+# what reading a damaged checkpoint raises: torch.load (a truncated zip, bad pickle bytes),
+# safetensors, json, a missing file; UserError from the loaders that name the file
+UNREADABLE = (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError)
+
+
+def newest_readable_checkpoint(root: str | Path, read: Callable[[Path], Any]) -> tuple[Path, Any] | None:
+    """(path, read(path)) for the newest complete checkpoint under `root` that `read` can read,
+    or None when there is none. A checkpoint that cannot be read is set aside as
+    `<step>.unreadable` (kept for a look, never resumed again) with one line saying so, and the
+    one before it is tried; when checkpoints exist but none can be read, a UserError."""
+    root = Path(root)
+    set_aside = []
+    while (path := find_checkpoint(root)) is not None:
+        try:
+            return path, read(path)
+        except UNREADABLE as error:
+            aside = path.with_name(f"{path.name}.unreadable")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(path, aside)
+            set_aside.append(aside)
+            reason = (str(error).strip().splitlines() or [""])[0][:200]
+            print(f"warning: cannot resume from checkpoint '{path}' ({type(error).__name__}: {reason}); "
+                  f"set it aside as {aside.name} and trying the one before", file=sys.stderr, flush=True)
+    if set_aside:
+        (root / "last").unlink(missing_ok=True)
+        raise UserError(f"no checkpoint in '{root}' can be resumed (set aside: "
+                        f"{', '.join(p.name for p in set_aside)}); choose a new run_dir")
+    return None
 
 
 def write_checkpoint(root: str | Path, step: int, fill: Callable[[Path], None]) -> Path:
@@ -272,6 +304,16 @@ class Evaluator:
         return {"wall_s": self.earlier_wall_s + elapsed,
                 "train_wall_s": self.earlier_train_wall_s + elapsed - self.eval_seconds}
 
+    def recall(self, step: int) -> None:
+        """Take the run's eval_info.json as the last evaluation when it scored `step` (a resumed
+        run whose checkpoint was evaluated before the stop is not evaluated again)."""
+        try:
+            info = json.loads(self.run.file("eval_info.json").read_text())
+        except (OSError, ValueError):
+            return
+        if isinstance(info, dict) and info.get("step") == step and "overall" in info:
+            self.last_info, self.last_step = info, step
+
     def _make_env(self):
         if self.env is None:
             from embodied_rl import envs
@@ -349,7 +391,22 @@ def _next_multiple(step: int, every: int) -> int | None:
     return (step // every + 1) * every if every > 0 else None
 
 
-def _first_non_finite(tensors: dict[str, Any]) -> str | None:
+def diverged(where: str, quantity: str, saved: str | None) -> Diverged:
+    """The one-line error of a run that went non-finite at `where` ("step 40"), naming the
+    quantity and what checkpoints/last holds (`saved`, e.g. "step 20"; None: nothing saved)."""
+    kept = f"checkpoints/last holds {saved}" if saved is not None else "no checkpoint was written"
+    return Diverged(f"training diverged at {where}: {quantity} is not finite ({kept})")
+
+
+def refuse_non_finite(where: str, saved: str | None, **states: Any) -> None:
+    """Raise `diverged` when a tensor in `states` (state dicts, nested) is not finite. Every
+    checkpoint write calls it first, so checkpoints/last is always a finite state."""
+    bad = first_non_finite(states)
+    if bad is not None:
+        raise diverged(where, bad, saved)
+
+
+def first_non_finite(tensors: dict[str, Any]) -> str | None:
     """The name of the first floating tensor (nested dicts and lists searched) that is not finite."""
     stack = list(tensors.items())
     while stack:
@@ -406,14 +463,23 @@ class FinetuneLoop:
         restore the RNGs and counters, and return the algorithm's loop state saved with it
         (with "replay" when saved); None for a fresh run."""
         self.modules, self.optimizers, self.write_agent = modules, optimizers, write_agent
-        # rank 0 finds (and repairs) the newest checkpoint; every rank then reads it
-        path = find_checkpoint(self.run.file("checkpoints")) if distributed.is_main() else None
-        path = distributed.broadcast_object(None if path is None else str(path))
+
+        def read(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+            state_dir = path / TRAINING_STATE
+            state = torch.load(state_dir / "state.pt", weights_only=True)
+            saved_optimizers = torch.load(state_dir / "optimizers.pt", weights_only=True)
+            if distributed.rank() > 0:  # this rank's own RNGs, loop state and replay shard
+                state.update(torch.load(state_dir / f"rank_{distributed.rank()}.pt", weights_only=True))
+            return state, saved_optimizers
+
+        # rank 0 finds (and repairs) the newest readable checkpoint; every rank then reads it
+        found = newest_readable_checkpoint(self.run.file("checkpoints"), read) if distributed.is_main() else None
+        path = distributed.broadcast_object(None if found is None else str(found[0]))
         path = None if path is None else Path(path)
         loop_state = None
         if path is not None:
+            state, saved_optimizers = found[1] if distributed.is_main() else read(path)
             state_dir = path / TRAINING_STATE
-            state = torch.load(state_dir / "state.pt", weights_only=True)
             if "modules" not in state:
                 raise UserError(f"checkpoint '{path}' was written by an older version and cannot be resumed "
                                 "(it still loads with eval); choose a new run_dir")
@@ -424,11 +490,8 @@ class FinetuneLoop:
                                 f"{ranks} (now {distributed.world_size()})")
             for name, module in modules.items():
                 module.load_state_dict(state["modules"][name])
-            saved_optimizers = torch.load(state_dir / "optimizers.pt", weights_only=True)
             for name, optimizer in optimizers.items():
                 optimizer.load_state_dict(saved_optimizers[name])
-            if distributed.rank() > 0:  # this rank's own RNGs, loop state and replay shard
-                state.update(torch.load(state_dir / f"rank_{distributed.rank()}.pt", weights_only=True))
             set_rng_state(state["rng"])
             self.counters.update(counters)
             self.counters.pop("step", None)
@@ -441,7 +504,10 @@ class FinetuneLoop:
             elif (state_dir / REPLAY).exists() and distributed.is_main():
                 loop_state["replay"] = torch.load(state_dir / REPLAY, weights_only=True)
             self.resumed_from = path
+            self.run.forget_metrics_after(self.env_steps)  # the steps after the checkpoint are redone
         self.evaluator = Evaluator(self.cfg, self.run, counters=self.counters, env_options=self.env_options)
+        if path is not None and distributed.is_main():
+            self.evaluator.recall(self.env_steps)
         self.next_log = _next_multiple(self.env_steps, self.log_every)
         self.next_checkpoint = _next_multiple(self.env_steps, self.checkpoint_every)
         return loop_state
@@ -450,8 +516,8 @@ class FinetuneLoop:
         """Evaluate the base policy at step 0 (fresh runs) and show the progress bar (rank 0)."""
         if self.resumed_from is None and self.evaluator.every > 0 and distributed.is_main():
             self.evaluator.maybe_evaluate(0, self.make_eval_agent, force=True)
-        self.bar = progress(total=self.total_env_steps, desc=desc, show=distributed.is_main())
-        self.bar.update(min(self.env_steps, self.total_env_steps))
+        self.bar = progress(total=self.total_env_steps, desc=desc, show=distributed.is_main(),
+                            initial=min(self.env_steps, self.total_env_steps))
 
     # ---- every step or iteration ----
 
@@ -487,10 +553,11 @@ class FinetuneLoop:
             self.run.log(self.env_steps, {**(metrics or {}), quantity: value})
             self._diverged(quantity)
 
+    def _saved(self) -> str | None:
+        return None if self.saved_step is None else f"env step {self.saved_step}"
+
     def _diverged(self, quantity: str) -> None:
-        kept = (f"checkpoints/last holds env step {self.saved_step}" if self.saved_step is not None
-                else "no checkpoint was written")
-        raise Diverged(f"training diverged at env step {self.env_steps}: {quantity} is not finite ({kept})")
+        raise diverged(f"env step {self.env_steps}", quantity, self._saved())
 
     def log(self, metrics: dict[str, Any], force: bool = False) -> bool:
         """Write one metrics row (with the episodes finished since the last row) when the logging
@@ -523,9 +590,8 @@ class FinetuneLoop:
         it: the other ranks send rank 0 their RNGs, loop state and replay shard."""
         modules = {name: module.state_dict() for name, module in self.modules.items()}
         optimizers = {name: optimizer.state_dict() for name, optimizer in self.optimizers.items()}
-        bad = _first_non_finite({"weights": modules}) or _first_non_finite({"optimizer": optimizers})
-        if bad is not None:
-            self._diverged(bad)
+        refuse_non_finite(f"env step {self.env_steps}", self._saved(), weights=modules)
+        refuse_non_finite(f"env step {self.env_steps}", self._saved(), optimizer=optimizers)
         distributed.check_in_sync(self.modules)
         self._sync_episodes()
         loop_state = dict(loop_state)

@@ -16,6 +16,7 @@ collapsing in the first online updates; ResFiT and DSRL use the same idea.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from embodied_rl.errors import UserError
 
@@ -43,3 +44,17 @@ class WarmStart:
 
     def updates_actor(self, env_steps: int) -> bool:
         return self.phase(env_steps) == FULL
+
+
+def check_actor_trains(cfg: Any) -> None:
+    """Refuse a run whose env_steps end before the actor's first update (warm-up plus
+    critic-only phase, where the algo has them): it would save its base policy, untouched, as
+    fine-tuned."""
+    algo = cfg.algo
+    phases = [(key, int(algo[key])) for key in ("warmup_env_steps", "critic_only_steps") if algo.get(key) is not None]
+    first_update = sum(steps for _, steps in phases)
+    if phases and int(cfg.env_steps) <= first_update:
+        spelled = " + ".join(f"algo.{key}={steps}" for key, steps in phases)
+        raise UserError(f"env_steps={cfg.env_steps} ends before the actor's first update ({spelled} env steps "
+                        f"first train only the critic); set env_steps above {first_update} or shorten those phases")
+

@@ -13,9 +13,43 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from embodied_rl.errors import UserError
-from embodied_rl.runs import Run, default_run_dir
+from embodied_rl.runs import DONE_FILE, LOCK_FILE, Run, atomic_write_json, default_run_dir
 
 OBS_MODES = ("state", "pixels")
+
+
+def run_command(module: Any, cfg: DictConfig) -> tuple[dict[str, Any], Path | None]:
+    """Run a command module's `main(cfg)` (the CLI and quickstart's stages both come here).
+
+    A run directory that this call created and that a refused command (UserError) left holding
+    nothing but its config is removed, so the corrected command may use the same run_dir and
+    refused runs do not litter runs/. A command that ran to its end writes done.json in its run
+    directory, last: the one sign that the run finished (eval_info.json and checkpoints are also
+    written part-way)."""
+    from embodied_rl import distributed
+
+    created = len(Run.created)
+    try:
+        headline, run_dir = module.main(cfg)
+    except UserError:
+        for path in Run.created[created:]:
+            _remove_if_unused(path)
+        raise
+    if run_dir is not None and distributed.is_main():
+        atomic_write_json(Path(run_dir) / DONE_FILE, {"headline": headline})
+    return headline, run_dir
+
+
+def _remove_if_unused(path: Path) -> None:
+    """Remove a run directory holding only config.yaml and its lock (and the empty date folder
+    of a default run_dir)."""
+    if not path.is_dir() or any(p.name not in ("config.yaml", LOCK_FILE) for p in path.iterdir()):
+        return
+    for name in ("config.yaml", LOCK_FILE):
+        (path / name).unlink(missing_ok=True)
+    path.rmdir()
+    if path.parent.parent.name == "runs" and not any(path.parent.iterdir()):
+        path.parent.rmdir()
 
 
 def start_run(cfg: DictConfig, command: str, allow_existing: bool = False) -> Run:
@@ -29,6 +63,7 @@ def start_run(cfg: DictConfig, command: str, allow_existing: bool = False) -> Ru
     task = OmegaConf.select(cfg, "task.name", default=None)
     path = Path(cfg.run_dir) if cfg.get("run_dir") else default_run_dir(command, task)
     run = Run(path, command=command, allow_existing=allow_existing)
+    run.file(DONE_FILE).unlink(missing_ok=True)  # a finished run given more work is running again
     run.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     distributed.broadcast_object(str(run.path))
     return run

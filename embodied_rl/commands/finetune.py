@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from embodied_rl.algos.wsrl import check_actor_trains
 from embodied_rl.errors import UserError
 from embodied_rl.runs import LOCK_FILE
 
@@ -55,6 +56,13 @@ def validate(cfg: DictConfig) -> Path:
         if int(cfg[key]) < 0:
             raise UserError(f"{key} must be >= 0, got {cfg[key]}")
     importlib.import_module(ALGOS[cfg.algo.name]).validate_config(cfg)  # the algo's own keys
+    check_actor_trains(cfg)
+    actor = OmegaConf.select(cfg, "algo.actor")
+    if isinstance(actor, str):  # the PPO family names its actor
+        from embodied_rl.actors import ACTORS
+
+        if actor not in ACTORS:
+            raise UserError(f"unknown algo.actor '{actor}' (choose from: {', '.join(ACTORS)})")
     if not 0 <= int(cfg.videos) <= int(cfg.eval_episodes):
         raise UserError(f"videos must be in [0, eval_episodes={cfg.eval_episodes}], got {cfg.videos}")
     return resolve_checkpoint(Path(str(cfg.checkpoint)).expanduser())
@@ -72,7 +80,7 @@ def load_base_policy(path: Path, device: str):
 
 # Keys a resumed run may change: how long it runs and what it records, not what it trains.
 RESUME_MAY_CHANGE = ("env_steps", "eval_every", "eval_episodes", "videos", "checkpoint_every", "log_every",
-                     "save_replay", "run_dir")
+                     "save_replay", "threads", "run_dir")
 
 
 def _flat_items(cfg: DictConfig) -> dict[str, Any]:

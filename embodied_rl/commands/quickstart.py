@@ -8,8 +8,10 @@
               report.md  plots/learning_curve.png
 
 Each stage is the command's own `main(cfg)` with a composed config, so it writes exactly what
-the command would. A stage whose output already exists is skipped, so re-running a killed
-quickstart with the same run_dir goes on where it stopped (fine-tuning resumes itself).
+the command would. A stage is finished when its done.json exists (written last, see
+`commands.run_command`): re-running a killed quickstart with the same run_dir skips the
+finished stages, says how far it had got, resumes fine-tuning from its checkpoints/last and
+starts an unfinished collect, pretrain or eval stage again.
 """
 
 from __future__ import annotations
@@ -24,24 +26,43 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from embodied_rl.errors import UserError
+from embodied_rl.runs import is_done
 
 
-def run_stage(command: str, module: str, overrides: list[str], run_dir: Path, done: str,
-              resumable: bool = False) -> Path:
-    """Compose `command`'s config with `overrides` and run it in `run_dir`, unless the file
-    `run_dir/done` shows it finished. An unfinished stage starts over (`resumable`: finetune
+def run_stage(command: str, module: str, overrides: list[str], run_dir: Path, resumable: bool = False) -> Path:
+    """Compose `command`'s config with `overrides` and run it in `run_dir`, unless its
+    done.json shows it finished. An unfinished stage starts over (`resumable`: finetune
     continues from its own checkpoints/last instead)."""
-    if (run_dir / done).exists():
+    from embodied_rl.cli import compose
+    from embodied_rl.commands import run_command
+
+    if is_done(run_dir):
         print(f"[quickstart] {command}: done already ({run_dir})")
         return run_dir
     if run_dir.exists() and not resumable:
-        shutil.rmtree(run_dir)  # a stage killed half-way: its partial output is worthless
-    from embodied_rl.cli import compose
-
+        print(f"[quickstart] {command}: stopped before its end last time; starting it again", flush=True)
+        shutil.rmtree(run_dir)  # its partial output is worthless
     print(f"[quickstart] {command} -> {run_dir}", flush=True)
     cfg = compose(command, [*overrides, f"run_dir={run_dir}"])
-    importlib.import_module(module).main(cfg)
+    run_command(importlib.import_module(module), cfg)
     return run_dir
+
+
+def describe_progress(root: Path) -> str | None:
+    """How far an earlier quickstart in `root` had got, in one line (None for a fresh one)."""
+    from embodied_rl.algos.common import checkpoint_step
+
+    stages = sorted(d for d in root.iterdir() if d.is_dir() and d.name[:1].isdigit()) if root.is_dir() else []
+    if not stages:
+        return None
+    parts = []
+    for stage in stages:
+        if is_done(stage):
+            parts.append(f"{stage.name} done")
+            continue
+        step = checkpoint_step(stage / "checkpoints" / "last")
+        parts.append(f"{stage.name} stopped" + (f" at its checkpoint of step {step}" if step is not None else ""))
+    return "[quickstart] resuming this run_dir: " + ", ".join(parts)
 
 
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
@@ -52,8 +73,6 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         if int(cfg[key]) < 1:
             raise UserError(f"{key} must be >= 1, got {cfg[key]}")
 
-    run = start_run(cfg, "quickstart", allow_existing=bool(cfg.run_dir))
-    root = run.path
     task = cfg.task.name
     backend = "null" if cfg.backend is None else cfg.backend
     sim = [f"task={task}", f"seed={cfg.seed}", f"backend={backend}", f"device={cfg.device}"]
@@ -61,28 +80,38 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     # lists (instructions, suite_tasks) only describe the task and stay as its config has them
     sim += [f"task.{key}={str(value).lower() if isinstance(value, bool) else value}"
             for key, value in cfg.task.items() if key != "name" and not OmegaConf.is_list(value)]
+    finetune = [*sim, f"algo={cfg.finetune_algo}", f"env_steps={cfg.finetune_env_steps}",
+                f"num_envs={cfg.finetune_num_envs}", f"eval_every={cfg.finetune_eval_every}",
+                f"eval_episodes={cfg.finetune_eval_episodes}", "videos=0",
+                *cfg.finetune_overrides.get(cfg.finetune_algo, [])]
+    from embodied_rl.algos.wsrl import check_actor_trains
+    from embodied_rl.cli import compose
+
+    check_actor_trains(compose("finetune", finetune))  # refused now, not after pretraining
+
+    earlier = describe_progress(Path(str(cfg.run_dir))) if cfg.run_dir else None
+    run = start_run(cfg, "quickstart", allow_existing=bool(cfg.run_dir))
+    root = run.path
+    if earlier:
+        print(earlier, flush=True)
     started = time.perf_counter()
 
     collect_dir = run_stage("collect", "embodied_rl.commands.collect", [*sim, f"demos={cfg.demos}"],
-                            root / "1_collect", "collect_info.json")
+                            root / "1_collect")
     pretrain = [*sim, f"policy={cfg.bc_policy}", f"data={collect_dir / 'demos.zarr'}", "eval_episodes=0", "videos=0"]
     if cfg.pretrain_steps is not None:
         pretrain.append(f"steps={int(cfg.pretrain_steps)}")
     pretrain_dir = run_stage("pretrain", "embodied_rl.commands.pretrain", pretrain,
-                             root / "2_pretrain", "checkpoints/last/config.json")
+                             root / "2_pretrain")
     bc_checkpoint = pretrain_dir / "checkpoints" / "last"
     evaluation = [*sim, f"episodes={cfg.eval_episodes}", f"videos={min(cfg.videos, cfg.eval_episodes)}"]
     before_dir = run_stage("eval", "embodied_rl.commands.evaluate", [*evaluation, f"checkpoint={bc_checkpoint}"],
-                           root / "3_eval_pretrained", "eval_info.json")
-    finetune = [*sim, f"algo={cfg.finetune_algo}", f"checkpoint={bc_checkpoint}", f"env_steps={cfg.finetune_env_steps}",
-                f"num_envs={cfg.finetune_num_envs}", f"eval_every={cfg.finetune_eval_every}",
-                f"eval_episodes={cfg.finetune_eval_episodes}", "videos=0",
-                *cfg.finetune_overrides.get(cfg.finetune_algo, [])]
-    finetune_dir = run_stage("finetune", "embodied_rl.commands.finetune", finetune,
-                             root / "4_finetune", "eval_info.json", resumable=True)
+                           root / "3_eval_pretrained")
+    finetune_dir = run_stage("finetune", "embodied_rl.commands.finetune", [*finetune, f"checkpoint={bc_checkpoint}"],
+                             root / "4_finetune", resumable=True)
     after_dir = run_stage("eval", "embodied_rl.commands.evaluate",
                           [*evaluation, f"checkpoint={finetune_dir / 'checkpoints' / 'last'}"],
-                          root / "5_eval_finetuned", "eval_info.json")
+                          root / "5_eval_finetuned")
 
     before = json.loads((before_dir / "eval_info.json").read_text())
     after = json.loads((after_dir / "eval_info.json").read_text())

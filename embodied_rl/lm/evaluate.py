@@ -23,7 +23,7 @@ from embodied_rl.lm.model import context_length
 from embodied_rl.lm.sampling import check_fits, decode_completions, encode_prompt, left_pad, sample
 from embodied_rl.lm.tasks import LMTask, Problem
 
-USED_KEYS = ("checkpoint", "seed", "device", "run_dir")
+USED_KEYS = ("checkpoint", "seed", "device", "threads", "run_dir")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

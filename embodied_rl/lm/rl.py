@@ -43,10 +43,10 @@ from embodied_rl.lm.sampling import Samples, decode_completions, encode_prompt, 
 
 ALGOS = ("grpo", "rloo", "reinforce_pp", "ppo")
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-USED_KEYS = ("checkpoint", "seed", "device", "run_dir", "algo")
+USED_KEYS = ("checkpoint", "seed", "device", "threads", "run_dir", "algo")
 # keys a resumed run may change: how long it runs and what it records, not what it trains
 RESUME_MAY_CHANGE = ("lm.rl.steps", "lm.rl.eval_every", "lm.rl.eval_problems", "lm.rl.checkpoint_every",
-                     "lm.rl.log_every", "run_dir")
+                     "lm.rl.log_every", "threads", "run_dir")
 
 
 @dataclass(frozen=True)
@@ -311,7 +311,13 @@ def save_checkpoint(root: Path, step: int, model: Any, tokenizer: Any, task_reco
 
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     config = validate(cfg)
-    from embodied_rl.algos.common import TRAINING_STATE, find_checkpoint, set_rng_state
+    from embodied_rl.algos.common import (
+        TRAINING_STATE,
+        diverged,
+        newest_readable_checkpoint,
+        refuse_non_finite,
+        set_rng_state,
+    )
     from embodied_rl.commands import start_run
     from embodied_rl.lm.evaluate import (
         check_checkpoint_task,
@@ -344,13 +350,18 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     check_previous_run(cfg)
     run = start_run(cfg, "finetune", allow_existing=True)
     step, problems_drawn = 0, 0
-    resumed_from = find_checkpoint(run.file("checkpoints"))
+
+    def read(path: Path) -> tuple[Any, dict[str, Any]]:
+        return load_model(path, device)[0], torch.load(path / TRAINING_STATE / "state.pt", weights_only=True)
+
+    found = newest_readable_checkpoint(run.file("checkpoints"), read)
+    resumed_from = None if found is None else found[0]
     generator = torch.Generator(device=device).manual_seed(int(cfg.seed))
-    if resumed_from is not None:
-        print(f"resuming from {run.file('checkpoints', 'last')}")
-        model, _ = load_model(resumed_from, device)
+    saved: str | None = None  # the step checkpoints/last holds, for the divergence message
+    if found is not None:
+        print(f"resuming from {resumed_from}")
+        model, state = found[1]
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, betas=(0.9, 0.99))
-        state = torch.load(resumed_from / TRAINING_STATE / "state.pt", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         if critic is not None:
             critic.load_state_dict(state["critic"])
@@ -358,6 +369,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         generator.set_state(state["generator"])
         set_rng_state(state["rng"])
         step, problems_drawn = int(state["step"]), int(state["problems_drawn"])
+        saved = f"step {step}"
+        run.forget_metrics_after(step)  # the steps after the checkpoint are redone
     stream = task.stream("train", int(cfg.seed))
     for _ in range(problems_drawn):  # the problems earlier iterations drew
         next(stream)
@@ -376,11 +389,15 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         return info
 
     def checkpoint(at_step: int) -> None:
+        nonlocal saved
+        refuse_non_finite(f"step {at_step}", saved, weights=model.state_dict(), optimizer=optimizer.state_dict(),
+                          **({"critic": critic.state_dict()} if critic is not None else {}))
         state = {"step": at_step, "problems_drawn": problems_drawn, "optimizer": optimizer.state_dict(),
                  "generator": generator.get_state()}
         if critic is not None:
             state.update(critic=critic.state_dict(), critic_optimizer=critic_optimizer.state_dict())
         save_checkpoint(run.file("checkpoints"), at_step, model, tokenizer, task_record, state)
+        saved = f"step {at_step}"
 
     before = after = None
     start = time.perf_counter()
@@ -388,12 +405,14 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         if resumed_from is None:
             before = evaluate(0)
             print(f"before: {format_overall(before['overall'])}")
-        bar = progress(total=config.steps, desc=f"finetune {config.algo}")
-        bar.update(step)
+        bar = progress(total=config.steps, desc=f"finetune {config.algo}", initial=step)
         window: list[dict[str, float]] = []
         while step < config.steps:
-            metrics = iteration(config, model, tokenizer, task, draw, reference, critic, optimizer, critic_optimizer,
-                                generator, max_new_tokens)
+            try:
+                metrics = iteration(config, model, tokenizer, task, draw, reference, critic, optimizer,
+                                    critic_optimizer, generator, max_new_tokens)
+            except Diverged as error:  # it names the quantity; the step and the checkpoint are known here
+                raise diverged(f"step {step + 1}", str(error), saved) from None
             step += 1
             bar.update(1)
             window.append(metrics)
@@ -432,7 +451,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
 
 def iteration(config: RLConfig, model: Any, tokenizer: Any, task: Any, draw: Any, reference: Any, critic: Any,
               optimizer: Any, critic_optimizer: Any, generator: torch.Generator, max_new_tokens: int) -> dict[str, float]:
-    """Sample, score, compute advantages and update once; returns the iteration's metrics."""
+    """Sample, score, compute advantages and update once; returns the iteration's metrics. A
+    non-finite loss or gradient norm raises Diverged naming the quantity, before the update."""
     start = time.perf_counter()
     group_size = config.group_size
     batches, scores, kept_problems = [], [], []
@@ -515,10 +535,12 @@ def iteration(config: RLConfig, model: Any, tokenizer: Any, task: Any, draw: Any
                 loss = loss - config.ent_coef * entropy
                 parts["entropy"] = entropy.detach()
             if not torch.isfinite(loss):
-                raise Diverged("non-finite policy loss; checkpoints/last is the last finite state")
+                raise Diverged("train/loss")
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             parts["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+            if not torch.isfinite(parts["grad_norm"]):
+                raise Diverged("train/grad_norm")
             optimizer.step()
             if critic is not None:
                 value_loss, value_info = core.value_loss(critic(part), values[index], returns[index], part_mask,

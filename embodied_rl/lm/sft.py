@@ -23,10 +23,11 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from embodied_rl.errors import Diverged, UserError
+from embodied_rl.algos.common import diverged, refuse_non_finite
+from embodied_rl.errors import UserError
 from embodied_rl.lm.sampling import encode_prompt
 
-USED_KEYS = ("steps", "batch_size", "log_every", "eval_every", "eval_episodes", "seed", "device", "run_dir")
+USED_KEYS = ("steps", "batch_size", "log_every", "eval_every", "eval_episodes", "seed", "device", "threads", "run_dir")
 
 
 def _integer(cfg: DictConfig, key: str, low: int, allow_none: bool = False) -> None:
@@ -154,15 +155,18 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     window_loss, window_tokens, window_start = [], 0, time.perf_counter()
     final_loss = float("nan")
     info: dict[str, Any] = {}
+    saved: str | None = None  # the step checkpoints/last holds, for the divergence message
     try:
         for step in progress(range(1, steps + 1), total=steps, desc="pretrain"):
             ids, mask, labels = training_batch(tokenizer, [next(stream) for _ in range(batch_size)])
             loss = answer_loss(model, ids.to(device), mask.to(device), labels.to(device))
             if not torch.isfinite(loss):
-                raise Diverged(f"non-finite SFT loss at step {step}; checkpoints/last is the last finite state")
+                raise diverged(f"step {step}", "train/loss", saved)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if not torch.isfinite(grad_norm):
+                raise diverged(f"step {step}", "train/grad_norm", saved)
             optimizer.step()
             scheduler.step()
             window_loss.append(loss.item())
@@ -174,9 +178,11 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
                                "train/grad_norm": float(grad_norm), "train/tokens_per_s": window_tokens / elapsed})
                 window_loss, window_tokens, window_start = [], 0, time.perf_counter()
             if step == steps or (cfg.eval_every and step % cfg.eval_every == 0):
+                refuse_non_finite(f"step {step}", saved, weights=model.state_dict())
                 if eval_problems:
                     info = evaluate(step)
                 save_checkpoints(run, step, model, tokenizer, task_record(cfg))
+                saved = f"step {step}"
         train_s = time.perf_counter() - start
         headline: dict[str, Any] = {"task": task.name, "steps": steps, "final_loss": final_loss, "train_s": train_s}
         sections = []

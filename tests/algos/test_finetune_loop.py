@@ -187,7 +187,7 @@ RESUME_CASES = [
     case("recap", "flow", "algo.rollout_steps=8", "algo.policy_updates=2", "algo.value_updates=2",
          "algo.batch_size=16"),
     case("qc_fql", "flow", "algo.offline_updates=3", "algo.batch_size=16", "algo.hidden_sizes=[16,16]"),
-    case("sac_flow", "flow", "algo.batch_size=16", "algo.critic_only_steps=64", "algo.critic_hidden_sizes=[16,16]"),
+    case("sac_flow", "flow", "algo.batch_size=16", "algo.critic_only_steps=32", "algo.critic_hidden_sizes=[16,16]"),
 ]
 
 

@@ -155,5 +155,5 @@ def test_finetune_then_eval_through_the_cli(checkpoints, tmp_path, capsys):  # n
 @pytest.mark.parametrize("policy,expected", [("no_demos", "needs demonstrations"), ("diffusion", "fine-tunes a flow policy")])
 def test_refusals(policy, expected, checkpoints, tmp_path, capsys):  # noqa: F811
     code = main(["finetune", "algo=sac_flow", f"checkpoint={checkpoints / policy}", "task=reach", "env_steps=32",
-                 "num_envs=4", f"run_dir={tmp_path / 'run'}"])
+                 "algo.critic_only_steps=8", "num_envs=4", f"run_dir={tmp_path / 'run'}"])
     assert code == 2 and expected in capsys.readouterr().err

@@ -91,3 +91,19 @@ def test_robot_commands_name_the_task_of_a_language_checkpoint(pretrained, tmp_p
         assert main([*args, f"checkpoint={pretrained}", f"run_dir={tmp_path / 'r'}"]) == 2
         assert "is a language model trained on lm/addition; pass task=lm/addition" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_sft_divergence_exits_3_and_checkpoints_last_stays_finite(tmp_path, capsys):
+    import torch
+    from safetensors.torch import load_file
+
+    run_dir = tmp_path / "sft"
+    assert main(["pretrain", *TINY, "steps=4", "eval_every=1", "eval_episodes=0", "lm.lr=1e30", "lm.warmup_steps=0",
+                 f"run_dir={run_dir}"]) == 3
+    err = capsys.readouterr().err
+    assert "training diverged at step" in err and len(err.strip().splitlines()) == 1
+    last = run_dir / "checkpoints" / "last"
+    if last.exists():
+        assert all(torch.isfinite(t).all() for t in load_file(last / "model.safetensors").values())
+    else:
+        assert "no checkpoint was written" in err

@@ -197,3 +197,16 @@ def test_finetune_bad_input(sft_run, tmp_path, capsys, extra, message):
 def test_robot_finetune_refuses_language_algorithms(tmp_path, capsys):
     assert main(["finetune", "task=reach", "algo=rloo", "checkpoint=/x", f"run_dir={tmp_path / 'run'}"]) == 2
     assert "unknown algo 'rloo'" in capsys.readouterr().err
+
+
+def test_divergence_exits_3_and_checkpoints_last_stays_finite(sft_run, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["finetune", *RL, f"checkpoint={sft_run}", "algo=ppo", "lm.rl.steps=4", "lm.rl.lr=1e30", "lm.rl.critic_lr=1e30",
+                 "lm.rl.checkpoint_every=1", f"run_dir={run_dir}"]) == 3
+    err = capsys.readouterr().err
+    assert "training diverged at step" in err and " is not finite (" in err and len(err.strip().splitlines()) == 1
+    last = run_dir / "checkpoints" / "last"
+    if last.exists():  # only finite weights are ever written
+        assert all(torch.isfinite(t).all() for t in load_file(last / "model.safetensors").values())
+    else:
+        assert "no checkpoint was written" in err
