@@ -252,9 +252,15 @@ class ChainActor(Actor):
 
     chunked = True
 
-    def __init__(self, policy, critic_hidden: int = 256):
+    def __init__(self, policy, critic_hidden: int = 256, logprob_reduce: str = "mean"):
         super().__init__()
         import copy
+
+        if logprob_reduce not in ("mean", "sum"):
+            raise ValueError(f"logprob_reduce must be 'mean' or 'sum', got {logprob_reduce!r}")
+        # how a step's log-density is aggregated over the executed chunk entries: with "sum" the
+        # PPO clip bounds the whole chunk's log-ratio (pi_RL); "mean" bounds it per entry
+        self.logprob_reduce = logprob_reduce
 
         self.policy = policy.eval().requires_grad_(False)
         self.ft = copy.deepcopy(self.policy)
@@ -276,6 +282,12 @@ class ChainActor(Actor):
     def chunk_mean(self, values: Tensor) -> Tensor:
         """Mean over the executed chunk entries: [N, H, A] -> [N]."""
         return values[:, self.executed].flatten(1).mean(-1)
+
+    def chunk_logprob(self, values: Tensor) -> Tensor:
+        """A step's log-density (or entropy) over the executed chunk entries, reduced by
+        `logprob_reduce`: [N, H, A] -> [N]."""
+        executed = values[:, self.executed].flatten(1)
+        return executed.sum(-1) if self.logprob_reduce == "sum" else executed.mean(-1)
 
     def actor_parameters(self) -> list[nn.Parameter]:
         return [p for name, p in self.named_parameters()

@@ -2,10 +2,11 @@
 ODE-to-SDE conversion; the rest stay the deterministic ODE / DDIM steps.
 
 Per chunk and env, a step j ~ Uniform{0..K-1} is drawn; step j is sampled from
-`ft.step_mean_std(x_j, j, cond, noise_level)` (flow: the marginal-preserving SDE step with
-diffusion coefficient `noise_level` = a, std = a sqrt(dt); diffusion: DDIM with eta = a), every
-other step is `ft.denoise_step`. Training recomputes that one transition only: logprob [N, 1] is
-its Gaussian log-density averaged over the executed chunk entries.
+`ft.step_mean_std(x_j, j, cond, policy.sde_noise_level(j, a))` (flow: the marginal-preserving SDE
+step with pi_RL's schedule sigma_j = a sqrt((1 - t_j) / t_j), std sigma_j sqrt(dt); diffusion:
+DDIM with eta = a), every other step is `ft.denoise_step`. Training recomputes that one
+transition only: logprob [N, 1] is its Gaussian log-density over the executed chunk entries,
+summed (`logprob_reduce="sum"`, pi_RL's: the clip bounds the chunk's log-ratio) or averaged.
 """
 
 from __future__ import annotations
@@ -27,12 +28,16 @@ class FlowSDEActor(ChainActor):
         noise_level: float = 0.5,
         min_std: float = 0.01,
         critic_hidden: int = 256,
+        logprob_reduce: str = "mean",
     ):
-        super().__init__(policy, critic_hidden)
+        super().__init__(policy, critic_hidden, logprob_reduce)
         if noise_level <= 0 or min_std <= 0:
             raise ValueError(f"noise_level and min_std must be > 0, got {noise_level}, {min_std}")
-        self._config = dict(noise_level=noise_level, min_std=min_std, critic_hidden=critic_hidden)
+        self._config = dict(noise_level=noise_level, min_std=min_std, critic_hidden=critic_hidden,
+                            logprob_reduce=logprob_reduce)
         self.noise_level = noise_level
+        # the noise level of each grid step (the policy's schedule of the scale a)
+        self.step_levels = [policy.sde_noise_level(i, noise_level) for i in range(policy.num_inference_steps)]
         # DDIM's last step has std 0 at any eta; a floor keeps that step's likelihood finite
         self.min_std = min_std
 
@@ -50,7 +55,7 @@ class FlowSDEActor(ChainActor):
                 continue
             here = (chosen == i)[:, None, None]
             # noise level a on the chosen envs, 0 (the plain ODE/DDIM step) elsewhere
-            mean, std = self.ft.step_mean_std(x, i, cond, self.noise_level * here.float())
+            mean, std = self.ft.step_mean_std(x, i, cond, self.step_levels[i] * here.float())
             std = torch.where(here, std.clamp_min(self.min_std), torch.zeros_like(std))
             x_next = mean + std * torch.randn_like(mean)
             x_before = torch.where(here, x, x_before)
@@ -67,15 +72,15 @@ class FlowSDEActor(ChainActor):
         std = torch.ones_like(x)
         for i in step.unique().tolist():
             rows = step == i
-            m, s = self.ft.step_mean_std(x[rows], int(i), cond[rows], self.noise_level)
+            m, s = self.ft.step_mean_std(x[rows], int(i), cond[rows], self.step_levels[int(i)])
             mean = mean.index_put((rows,), m)
             std = std.index_put((rows,), s.clamp_min(self.min_std))
         return mean, std
 
     def evaluate(self, obs: Obs, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         mean, std = self._transition(self.encode(obs), stash)
-        logprob = self.chunk_mean(gaussian_logprob(stash["x_after"], mean, std))
-        return logprob[:, None], self.chunk_mean(gaussian_entropy(std))[:, None]
+        logprob = self.chunk_logprob(gaussian_logprob(stash["x_after"], mean, std))
+        return logprob[:, None], self.chunk_logprob(gaussian_entropy(std))[:, None]
 
     def base_kl(self, obs: Obs, stash: dict[str, Tensor]) -> Tensor:
         cond = self.encode(obs)
@@ -85,6 +90,6 @@ class FlowSDEActor(ChainActor):
             step = stash["step"]
             for i in step.unique().tolist():
                 rows = step == i
-                m, _ = self.policy.step_mean_std(stash["x_before"][rows], int(i), cond[rows], self.noise_level)
+                m, _ = self.policy.step_mean_std(stash["x_before"][rows], int(i), cond[rows], self.step_levels[int(i)])
                 base_mean[rows] = m
         return self.chunk_mean(0.5 * ((mean - base_mean) / std) ** 2)

@@ -229,6 +229,12 @@ class ChunkPolicy(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
+    def sde_noise_level(self, i: int, scale: float) -> float:
+        """The noise_level that `step_mean_std` takes at step i for a sampler of noise scale
+        `scale` (Flow-SDE's a): the scale itself where the step already schedules its noise over
+        the grid (diffusion's DDIM eta); flow policies override it with their schedule."""
+        return scale
+
     def bc_loss(self, batch: dict[str, Tensor]) -> Tensor:
         raise NotImplementedError
 

@@ -63,6 +63,14 @@ class FlowPolicy(ChunkPolicy):
         std = (sigma * self.dt**0.5).expand_as(mean)
         return mean, std
 
+    def sde_noise_level(self, i: int, scale: float) -> float:
+        """Flow-GRPO's and pi_RL's schedule, sigma_i = a sqrt((1 - t_i) / t_i) with t_0 = 0 read as
+        the next grid point dt: large near the noise (std a at step 0), small near the data (the
+        step that lands on the actions: 0.1 a at K = 10), so exploration stays on the flow's
+        paths instead of jittering the final actions."""
+        t = float(self.timesteps()[i])
+        return scale * ((1.0 - t) / max(t, self.dt)) ** 0.5
+
     def sample_train_times(self, n: int, device: torch.device) -> Tensor:
         if self.time_sampling == "logit_normal":  # more weight on the middle of the path (SD3)
             return torch.sigmoid(torch.randn(n, device=device))

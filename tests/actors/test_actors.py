@@ -91,6 +91,23 @@ def test_flow_noise_std_stays_in_its_bounds():
     assert std.min() >= 0.05 - 1e-6 and std.max() <= 0.2 + 1e-6
 
 
+def test_flow_sde_noise_follows_pi_rls_schedule_and_sum_bounds_the_chunk():
+    policy = tiny_policy("flow", 4)
+    actor = make_actor("flow_sde", policy, 5, noise_level=0.5)
+    # sigma_i = a sqrt((1 - t_i) / t_i), t_0 read as dt (std sigma_0 sqrt(dt) = a), shrinking to the data
+    assert actor.step_levels == pytest.approx([0.5 * 2, 0.5 * math.sqrt(3), 0.5, 0.5 * math.sqrt(1 / 3)])
+    diffusion = make_actor("flow_sde", tiny_policy("diffusion", 3), 5, noise_level=0.5)
+    assert diffusion.step_levels == [0.5, 0.5, 0.5]  # DDIM's eta schedules its own noise
+    summed = make_actor("flow_sde", policy, 5, noise_level=0.5, logprob_reduce="sum")
+    obs = torch.randn(5, 2, OBS_DIM)
+    out = summed.act(obs)
+    assert torch.equal(summed.evaluate(obs, out.stash)[0], out.logprob)  # ratio 1 before an update
+    mean_logprob = actor.evaluate(obs, out.stash)[0]  # same weights: the mean over the 3 x 2 executed entries
+    assert torch.allclose(out.logprob, mean_logprob * 3 * ACTION_DIM, atol=1e-5)
+    with pytest.raises(ValueError, match="logprob_reduce"):
+        make_actor("flow_sde", policy, 5, logprob_reduce="max")
+
+
 def test_residual_starts_as_the_base_and_resets_the_base_queue_per_env():
     actor = make_actor("residual", tiny_policy("diffusion", 2), num_envs=3, action_scale=0.1)
     obs = torch.randn(3, OBS_DIM)
