@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError(f"'{command}' runs in one process; under torchrun run {' or '.join(DATA_PARALLEL)}")
             from embodied_rl import distributed
 
+            _stop_with_the_launcher()
             distributed.init(str(cfg.device))
             signal.signal(signal.SIGTERM, _stopped_by_torchrun)
         from embodied_rl.commands import run_command
@@ -261,6 +262,25 @@ def _stopped_by_torchrun(signum: int, frame: Any) -> None:
     print(f"error: {_rank_prefix()}stopped because another rank of the job failed; relaunch the same "
           "command to resume from checkpoints/last", file=sys.stderr, flush=True)
     os._exit(1)
+
+
+def _stop_with_the_launcher() -> None:
+    """torchrun's ranks are its child processes, and a launcher killed with SIGKILL cannot stop
+    them: without this they train on as orphans and hold the run_dir's lock. A thread notices
+    the parent process change (within a second) and stops this rank in one line."""
+    import threading
+    import time
+
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(1.0)
+        print(f"error: {_rank_prefix()}the torchrun launcher went away; relaunch the same command to resume "
+              "from checkpoints/last", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
 def _lost_peer(error: Exception) -> bool:

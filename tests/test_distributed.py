@@ -213,6 +213,42 @@ def test_a_rank_that_dies_stops_the_job_and_the_relaunch_resumes(bc, tmp_path):
     assert relaunch.returncode == 0 and "resuming from" in relaunch.stdout, relaunch.stderr[-3000:]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return "\tZ" not in Path(f"/proc/{pid}/status").read_text().split("State:")[1][:4]
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_ranks_stop_when_the_launcher_is_killed_and_free_the_run_dir(bc, tmp_path):
+    from embodied_rl.runs import Run
+
+    run_dir = tmp_path / "run"
+    args = ["finetune", "algo=reinflow", f"checkpoint={bc / 'flow'}", *TINY, "eval_every=0", "algo.num_steps=4",
+            "checkpoint_every=64", "env_steps=100000000", f"run_dir={run_dir}"]
+    env = {**os.environ, "MUJOCO_GL": "egl", "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen([*TORCHRUN, "-m", "embodied_rl", *args], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, env=env)
+    ranks = []
+    try:
+        deadline = time.time() + 180
+        while not (run_dir / "checkpoints" / "last").exists() and time.time() < deadline and job.poll() is None:
+            time.sleep(0.5)
+        ranks = _children(job.pid)
+        assert len(ranks) == 2
+        os.kill(job.pid, signal.SIGKILL)  # the launcher dies without a word to its ranks
+        job.wait()
+        deadline = time.time() + 10
+        while any(_alive(pid) for pid in ranks) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in ranks)
+    finally:
+        for pid in ranks:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    Run(run_dir, allow_existing=True).close()  # the lock is free for the relaunch
+
+
 def _steps(run_dir: Path) -> int:
     return json.loads((run_dir / "checkpoints" / "last" / "training_state" / "counters.json").read_text())["env_steps"]
 
