@@ -4,6 +4,7 @@ end-to-end on `reach` with a saved, randomly initialised policy."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -82,7 +83,8 @@ def test_eval_reach_end_to_end(tmp_path, reach_checkpoint, capsys):
         "video_size=64",
     )
     out = capsys.readouterr().out
-    assert "pc_success:" in out and "n_episodes: 4" in out and f"run_dir: {run_dir}" in out
+    assert re.search(r"^success: \d+\.\d% \[\d+\.\d, \d+\.\d\]$", out, re.M), out  # the one headline format
+    assert "n_episodes: 4" in out and f"run_dir: {run_dir}" in out
     overall = info["overall"]
     assert info["task"] == "reach" and info["checkpoint"] == str(reach_checkpoint.resolve())
     assert overall["n_episodes"] == 4 and overall["num_envs"] == 4  # min(num_envs=50, episodes)
@@ -147,5 +149,5 @@ def test_eval_reward_only_task(tmp_path, capsys):
     low, high = overall["sum_reward_ci95"]
     assert low <= overall["avg_sum_reward"] <= high
     out = capsys.readouterr().out
-    assert "pc_success" not in out and "sum_reward_ci95:" in out
+    assert "success:" not in out and "sum_reward_ci95:" in out
     assert (run_dir / "videos" / "episode_0.mp4").is_file()

@@ -4,6 +4,7 @@ of the fine-tuned checkpoint, resume, and bad input."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -43,7 +44,8 @@ def test_finetune_then_eval_end_to_end(tmp_path, capsys, bc_checkpoint, algo):
     run_dir = tmp_path / "ft"
     assert main(finetune_args(algo, bc_checkpoint, run_dir)) == 0
     out = capsys.readouterr().out
-    assert "success_rate:" in out and f"run_dir: {run_dir}" in out
+    assert re.search(r"^success: [\d.]+% \[[\d.]+, [\d.]+\] -> [\d.]+% \[[\d.]+, [\d.]+\]$", out, re.M), out
+    assert f"run_dir: {run_dir}" in out
     last = run_dir / "checkpoints" / "last"
     agent = json.loads((last / "agent.json").read_text())
     assert agent["kind"] == ("residual_offpolicy" if algo == "residual_sac" else "dsrl")

@@ -163,7 +163,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     task = checkpoint_task(policy, checkpoint, OmegaConf.select(cfg, "task.name", default=None))
 
     import embodied_rl.envs as envs
-    from embodied_rl.eval.evaluate import evaluate, format_headline
+    from embodied_rl.eval.evaluate import evaluate, success_text
     from embodied_rl.policies import PolicyRunner
 
     episodes = int(cfg.episodes)
@@ -215,12 +215,9 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     run.close()
 
     overall = eval_info["overall"]
-    print(format_headline(overall))
     headline: dict[str, Any] = {"task": task, "n_episodes": overall["n_episodes"]}
-    if overall["pc_success"] is not None:
-        low, high = overall["success_ci95"]
-        headline["pc_success"] = overall["pc_success"]
-        headline["success_ci95"] = f"[{100 * low:.1f}%, {100 * high:.1f}%]"
+    if overall["success_rate"] is not None:
+        headline["success"] = success_text(overall)
     headline["avg_sum_reward"] = overall["avg_sum_reward"]
     if overall["sum_reward_ci95"] is not None:
         low, high = overall["sum_reward_ci95"]

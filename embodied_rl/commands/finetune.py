@@ -161,4 +161,17 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     finally:
         env.close()
         run.close()
-    return {"task": cfg.task.name, "algo": cfg.algo.name, **headline}, run.path
+    return {"task": cfg.task.name, "algo": cfg.algo.name, **success_before_after(headline, run)}, run.path
+
+
+def success_before_after(headline: dict[str, Any], run: Any) -> dict[str, Any]:
+    """The algorithm's headline with its success rate as every command prints it, after the
+    base policy's (the step-0 evaluation): 'success: 36.0% [27.3, 45.8] -> 99.0% [94.6, 99.8]'."""
+    from embodied_rl.eval.stats import before_after, rate_with_interval, start_rate
+
+    headline = dict(headline)
+    rate, interval = headline.pop("success_rate", None), headline.pop("success_ci95", None)
+    if rate is None:
+        return headline
+    before = start_rate(run.read_metrics(), "eval/success_rate")
+    return {"success": before_after(rate_with_interval(rate, interval), before), **headline}

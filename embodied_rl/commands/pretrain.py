@@ -192,10 +192,11 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
             "backend": resolve_backend(task, cfg.backend), "device": str(cfg.device), "step": steps, **final_eval,
             "config": OmegaConf.to_container(cfg, resolve=True),
         })
+        from embodied_rl.eval.evaluate import success_text
+
         overall = final_eval["overall"]
-        if overall.get("pc_success") is not None:
-            headline["pc_success"] = overall["pc_success"]
-            headline["success_rate"] = overall["success_rate"]
+        if overall.get("success_rate") is not None:
+            headline["success"] = success_text(overall)
         headline["avg_sum_reward"] = overall["avg_sum_reward"]
     headline["checkpoint"] = str(run.file("checkpoints", "last"))
     return headline, run.path

@@ -120,13 +120,13 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     run.write_json("quickstart_info.json", {"task": task, "before": before["overall"], "after": after["overall"],
                                             "wall_s": wall_s})
     run.close()
+    from embodied_rl.eval.evaluate import success_text
+    from embodied_rl.eval.stats import before_after
+
     headline: dict[str, Any] = {"task": task}
-    for label, info in (("pretrained", before), ("finetuned", after)):
-        overall = info["overall"]
-        if overall.get("success_rate") is not None:
-            low, high = overall["success_ci95"]
-            headline[f"{label}_success"] = f"{100 * overall['success_rate']:.1f}% [{100 * low:.1f}, {100 * high:.1f}]"
-        headline[f"{label}_return"] = overall["avg_sum_reward"]
+    if before["overall"].get("success_rate") is not None:
+        headline["success"] = before_after(success_text(after["overall"]), success_text(before["overall"]))
+    headline["return"] = before_after(f"{after['overall']['avg_sum_reward']:.4g}", f"{before['overall']['avg_sum_reward']:.4g}")
     headline["report"] = str(report)
     headline["wall_s"] = wall_s
     return headline, root

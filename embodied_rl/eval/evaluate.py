@@ -283,16 +283,11 @@ def success_by_instruction(per_episode: list[dict[str, Any]]) -> dict[str, dict[
             for text, outcomes in groups.items()}
 
 
-def format_headline(overall: dict[str, Any]) -> str:
-    """One line: 'success 62.0% (95% CI 48.2-74.1%) | return 12.3 | 50 episodes'."""
-    parts = []
-    if overall.get("pc_success") is not None:
-        low, high = overall["success_ci95"]
-        parts.append(f"success {overall['pc_success']:.1f}% (95% CI {100 * low:.1f}-{100 * high:.1f}%)")
-    ret = f"return {overall['avg_sum_reward']:.3g}"
-    if overall.get("sum_reward_ci95") is not None:
-        low, high = overall["sum_reward_ci95"]
-        ret += f" (95% CI {low:.3g} to {high:.3g})"
-    parts.append(ret)
-    parts.append(f"{overall['n_episodes']} episodes")
-    return " | ".join(parts)
+def success_text(overall: dict[str, Any]) -> str | None:
+    """An `overall` block's success rate as headlines print it, '62.0% [48.2, 74.1]'; None for a
+    task without a success signal."""
+    from embodied_rl.eval.stats import rate_with_interval
+
+    if overall.get("success_rate") is None:
+        return None
+    return rate_with_interval(overall["success_rate"], overall["success_ci95"])

@@ -68,3 +68,25 @@ def mean_interval(values: Sequence[float], confidence: float = 0.95) -> dict[str
     std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
     half_width = t_quantile(0.5 + confidence / 2, n - 1) * std / math.sqrt(n)
     return {"mean": mean, "std": std, "ci_low": mean - half_width, "ci_high": mean + half_width}
+
+
+def rate_with_interval(rate: float, interval: Sequence[float]) -> str:
+    """A rate as every command's headline prints it: '36.0% [27.3, 45.8]' (percent, then its
+    95% interval in percent)."""
+    low, high = interval
+    return f"{100 * rate:.1f}% [{100 * low:.1f}, {100 * high:.1f}]"
+
+
+def before_after(after: str, before: str | None = None) -> str:
+    """'36.0% [27.3, 45.8] -> 99.0% [94.6, 99.8]' where there is a before, else `after` alone."""
+    return after if before is None else f"{before} -> {after}"
+
+
+def start_rate(rows: Sequence[dict], key: str) -> str | None:
+    """The rate a run's metrics rows logged at step 0 (the starting policy's evaluation) under
+    `key`, with its interval (`key`_low, `key`_high), as headlines print it; None if not logged."""
+    for row in rows:
+        if row.get("step") == 0 and all(k in row for k in (key, f"{key}_low", f"{key}_high")):
+            return rate_with_interval(row[key], (row[f"{key}_low"], row[f"{key}_high"]))
+    return None
+

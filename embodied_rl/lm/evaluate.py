@@ -87,10 +87,15 @@ def evaluate_model(model: Any, tokenizer: Any, task: LMTask, problems: list[Prob
     return {"overall": overall, "per_problem": per_problem, "completions": shown}
 
 
+def pass1_text(overall: dict[str, Any]) -> str:
+    """pass@1 as every headline prints it: '62.0% [48.2, 74.1]'."""
+    from embodied_rl.eval.stats import rate_with_interval
+
+    return rate_with_interval(overall["pass@1"], overall["pass@1_ci95"])
+
+
 def format_overall(overall: dict[str, Any]) -> str:
-    low, high = overall["pass@1_ci95"]
-    return (f"pass@1 {100 * overall['pass@1']:.1f}% [{100 * low:.1f}%, {100 * high:.1f}%] over "
-            f"{overall['n_problems']} held-out problems")
+    return f"pass@1 {pass1_text(overall)} over {overall['n_problems']} held-out problems"
 
 
 def completions_markdown(shown: list[dict[str, Any]]) -> str:
@@ -167,13 +172,11 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     finally:
         run.close()
     overall = info["overall"]
-    print(format_overall(overall))
     for item in info["completions"][:3]:
         print(f"  {item['prompt']!r} -> {item['completion']!r} (reward {item['reward']:g})")
-    low, high = overall["pass@1_ci95"]
-    headline: dict[str, Any] = {"task": task.name, "n_problems": overall["n_problems"],
-                                "pass@1": overall["pass@1"], "pass@1_ci95": f"[{100 * low:.1f}%, {100 * high:.1f}%]"}
-    headline.update({key: value for key, value in overall.items() if key.startswith("pass@") and key[5:].isdigit()})
+    headline: dict[str, Any] = {"task": task.name, "n_problems": overall["n_problems"], "pass@1": pass1_text(overall)}
+    headline.update({key: value for key, value in overall.items()
+                     if key.startswith("pass@") and key[5:].isdigit() and key != "pass@1"})
     headline["mean_length"] = overall["mean_length"]
     headline["eval_s"] = overall["eval_s"]
     return headline, run.path

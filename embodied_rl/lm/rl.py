@@ -323,6 +323,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         check_checkpoint_task,
         evaluate_model,
         format_overall,
+        pass1_text,
         resolve_model_dir,
     )
     from embodied_rl.lm.model import context_length, load_model
@@ -435,15 +436,10 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         write_rl_report(run, task.name, config.algo, before, after)
     finally:
         run.close()
-    print(f"after: {format_overall(after['overall'])}")
-    low, high = after["overall"]["pass@1_ci95"]
+    from embodied_rl.eval.stats import before_after, start_rate
+
     headline: dict[str, Any] = {"task": task.name, "algo": config.algo, "steps": step}
-    if before is not None:
-        b_low, b_high = before["overall"]["pass@1_ci95"]
-        headline["pass@1_before"] = before["overall"]["pass@1"]
-        headline["pass@1_before_ci95"] = f"[{100 * b_low:.1f}%, {100 * b_high:.1f}%]"
-    headline["pass@1"] = after["overall"]["pass@1"]
-    headline["pass@1_ci95"] = f"[{100 * low:.1f}%, {100 * high:.1f}%]"
+    headline["pass@1"] = before_after(pass1_text(after["overall"]), start_rate(run.read_metrics(), "eval/pass@1"))
     headline["train_s"] = train_s
     headline["checkpoint"] = str(run.file("checkpoints", "last"))
     return headline, run.path

@@ -111,7 +111,7 @@ def save_checkpoints(run: Any, step: int, model: Any, tokenizer: Any, task: dict
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     validate(cfg)
     from embodied_rl.commands import start_run
-    from embodied_rl.lm.evaluate import evaluate_model, format_overall
+    from embodied_rl.lm.evaluate import evaluate_model, format_overall, pass1_text
     from embodied_rl.lm.model import build_model, char_tokenizer, load_model, parameter_count
     from embodied_rl.lm.tasks import make_task
     from embodied_rl.runs import progress
@@ -187,14 +187,11 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         headline: dict[str, Any] = {"task": task.name, "steps": steps, "final_loss": final_loss, "train_s": train_s}
         sections = []
         if info:
-            print(format_overall(info["overall"]))
             checkpoint = run.file("checkpoints", "last")
             run.write_json("eval_info.json", {"task": task.name, "checkpoint": str(checkpoint.resolve()),
                                               "seed": int(cfg.seed), "device": device, "step": steps, **info,
                                               "config": OmegaConf.to_container(cfg, resolve=True)})
-            low, high = info["overall"]["pass@1_ci95"]
-            headline["pass@1"] = info["overall"]["pass@1"]
-            headline["pass@1_ci95"] = f"[{100 * low:.1f}%, {100 * high:.1f}%]"
+            headline["pass@1"] = pass1_text(info["overall"])
             sections.append(("Held-out accuracy", format_overall(info["overall"])))
         write_sft_report(run, task.name, sections, info)
     finally:
