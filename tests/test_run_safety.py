@@ -175,3 +175,22 @@ def test_done_json_marks_a_finished_command(command, toy_data, tmp_path, capsys)
             ["pretrain", "task=reach", f"data={toy_data}", "steps=2", "eval_episodes=0", *BC_TINY])
     assert main([*args, f"run_dir={run_dir}"]) == 0
     assert (run_dir / "done.json").exists()
+
+
+def test_finetune_and_eval_write_a_report(checkpoints, tmp_path, capsys):  # noqa: F811
+    run_dir = tmp_path / "ft"
+    tiny = [arg for arg in TINY if not arg.startswith("videos=")]
+    assert main(["finetune", f"checkpoint={checkpoints / 'flow'}", f"run_dir={run_dir}", *tiny, *RESIDUAL,
+                 "env_steps=64", "eval_every=32", "videos=1"]) == 0
+    assert f"report: {run_dir / 'report.md'}" in capsys.readouterr().out
+    report = (run_dir / "report.md").read_text()
+    assert report.startswith("# Fine-tuning: reach with residual_ppo")
+    assert "| start (step 0) |" in report and "| fine-tuned (step 64) |" in report
+    assert "](plots/learning_curve.png)" in report and (run_dir / "plots" / "learning_curve.png").is_file()
+    assert "](videos/step_64/episode_0.mp4)" in report and "tensorboard --logdir" in report
+    assert "- wall s: " in report
+
+    assert main(["eval", "task=reach", f"checkpoint={run_dir}", "episodes=2", "num_envs=2", "videos=1",
+                 f"run_dir={tmp_path / 'eval'}"]) == 0
+    report = (tmp_path / "eval" / "report.md").read_text()
+    assert report.startswith("# Evaluation: reach") and "](videos/episode_0.mp4)" in report and "- eval s: " in report

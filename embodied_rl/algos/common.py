@@ -579,7 +579,9 @@ class FinetuneLoop:
         """Where the loop may stop and resume: evaluate when eval_every is due and checkpoint when
         checkpoint_every is due (`loop_state()` is called only then)."""
         if self.env_steps < self.total_env_steps and distributed.is_main():
-            self.evaluator.maybe_evaluate(self.env_steps, self.make_eval_agent)
+            info = self.evaluator.maybe_evaluate(self.env_steps, self.make_eval_agent)
+            if info is not None and info["overall"].get("success_rate") is not None:
+                self.bar.set_postfix(success=f"{100 * info['overall']['success_rate']:.0f}%")
         if self.next_checkpoint is not None and self.env_steps >= self.next_checkpoint:
             self.save(loop_state())
 

@@ -143,6 +143,17 @@ def load_checkpoint(path: Path, device: str = "cpu") -> Any:
         raise UserError(f"cannot load checkpoint '{path}': {type(error).__name__}: {error}") from None
 
 
+def write_eval_report(run_dir: Path, eval_info: dict[str, Any]) -> Path:
+    """report.md: the result table, the videos and how the run was made."""
+    from embodied_rl.eval.report import run_section, success_table, video_links, write_report
+
+    return write_report(run_dir, f"Evaluation: {eval_info['task']}", [
+        ("Result", success_table({f"`{eval_info['checkpoint']}`": eval_info["overall"]})),
+        ("Videos", video_links(eval_info, run_dir)),
+        ("Run", run_section(eval_s=eval_info["overall"]["eval_s"])),
+    ])
+
+
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     from embodied_rl.lm import is_lm_task, refuse_lm_checkpoint
 
@@ -212,6 +223,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     run.write_json("eval_info.json", eval_info)
+    write_eval_report(run.path, eval_info)
     run.close()
 
     overall = eval_info["overall"]

@@ -158,10 +158,55 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
             print("this backend cannot snapshot its envs: the episodes in progress restart, the learner resumes exactly")
     try:
         headline = module.finetune(cfg, run, env, policy)
+        if distributed.is_main():
+            headline["report"] = str(write_finetune_report(cfg, run))
     finally:
         env.close()
         run.close()
     return {"task": cfg.task.name, "algo": cfg.algo.name, **success_before_after(headline, run)}, run.path
+
+
+def write_finetune_report(cfg: DictConfig, run: Any) -> Path:
+    """report.md: the starting and the fine-tuned policy's evaluations, the learning curve, the
+    final evaluation's videos and how the run was made."""
+    import json
+
+    from embodied_rl.eval.report import (
+        learning_curve,
+        run_section,
+        success_table,
+        video_links,
+        write_report,
+    )
+
+    def overall(row: dict[str, Any]) -> dict[str, Any]:  # an evaluation's metrics row as success_table reads it
+        has_success = "eval/success_rate" in row
+        return {"success_rate": row.get("eval/success_rate"), "n_episodes": int(cfg.eval_episodes),
+                "success_ci95": [row["eval/success_rate_low"], row["eval/success_rate_high"]] if has_success else None,
+                "avg_sum_reward": row["eval/return"], "avg_episode_length": row["eval/episode_length"]}
+
+    rows = run.read_metrics()
+    evaluations = [row for row in rows if "eval/return" in row]
+    results = {}
+    if evaluations and evaluations[0]["step"] == 0:
+        results["start (step 0)"] = overall(evaluations[0])
+    if evaluations and evaluations[-1]["step"] > 0:
+        results[f"fine-tuned (step {evaluations[-1]['step']})"] = overall(evaluations[-1])
+    wall = [row["train/wall_s"] for row in rows if "train/wall_s" in row]
+    train_wall = [row["eval/train_wall_s"] for row in evaluations if "eval/train_wall_s" in row]
+    try:
+        final = json.loads(run.file("eval_info.json").read_text())
+    except (OSError, ValueError):
+        final = {}
+    sections = [
+        ("Result", success_table(results) if results else "_no evaluation was logged (eval_every=0)_"),
+        ("Learning curve", learning_curve(rows, run.file("plots", "learning_curve.png"), run.path,
+                                          f"{cfg.task.name}: {cfg.algo.name} fine-tuning")),
+        ("Videos of the last evaluation", video_links(final, run.path)),
+        ("Run", run_section(tensorboard=True, wall_s=wall[-1] if wall else None,
+                            training_wall_s=train_wall[-1] if train_wall else None)),
+    ]
+    return write_report(run.path, f"Fine-tuning: {cfg.task.name} with {cfg.algo.name}", sections)
 
 
 def success_before_after(headline: dict[str, Any], run: Any) -> dict[str, Any]:

@@ -134,26 +134,15 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
 
 def write_quickstart_report(root: Path, task: str, cfg: DictConfig, before: dict, after: dict,
                             finetune_dir: Path, before_dir: Path, after_dir: Path) -> Path:
-    from embodied_rl.eval.report import (
-        image_link,
-        plot_curve,
-        success_table,
-        video_links,
-        write_report,
-    )
+    from embodied_rl.eval.report import learning_curve, success_table, video_links, write_report
     from embodied_rl.runs import read_metrics
 
-    rows = read_metrics(finetune_dir)
-    has_success = before["overall"].get("success_rate") is not None
-    y_key = "eval/success_rate" if has_success else "eval/return"
-    curve = plot_curve(rows, "step", [y_key], root / "plots" / "learning_curve.png",
-                       title=f"{task}: {cfg.finetune_algo} fine-tuning (eval every {cfg.finetune_eval_every} env steps)",
-                       bands={"eval/success_rate": ("eval/success_rate_low", "eval/success_rate_high")})
+    curve = learning_curve(read_metrics(finetune_dir), root / "plots" / "learning_curve.png", root,
+                           f"{task}: {cfg.finetune_algo} fine-tuning (eval every {cfg.finetune_eval_every} env steps)")
     sections = [
         ("Result", success_table({f"pretrained ({cfg.bc_policy} BC)": before["overall"],
                                   f"fine-tuned ({cfg.finetune_algo})": after["overall"]})),
-        ("Learning curve", image_link(curve, root, "learning curve") + "\n\nx: env steps of RL; "
-         "step 0 is the BC policy. Shaded: 95% Wilson interval."),
+        ("Learning curve", curve),
         ("Videos: pretrained", video_links(before, root, before_dir)),
         ("Videos: fine-tuned", video_links(after, root, after_dir)),
         ("Stages", "\n".join(f"- `{d.name}/`" for d in sorted(root.iterdir()) if d.is_dir() and d.name[0].isdigit())),

@@ -159,3 +159,41 @@ def write_report(
     path = Path(run_dir) / name
     atomic_write_text(path, "\n".join(parts))
     return path
+
+
+def learning_curve(rows: Sequence[Mapping[str, Any]], path: str | Path, base: str | Path, title: str) -> str:
+    """Plot a fine-tuning run's evaluations (success rate with its Wilson band, else the return)
+    against env steps to `path`; the markdown that shows it, or a note when nothing was evaluated."""
+    key = "eval/success_rate" if any("eval/success_rate" in row for row in rows) else "eval/return"
+    try:
+        plot_curve(rows, "step", [key], path, title=title,
+                   bands={"eval/success_rate": ("eval/success_rate_low", "eval/success_rate_high")})
+    except ValueError:
+        return "_no evaluation was logged (eval_every=0)_"
+    return (image_link(path, base, "learning curve") + "\n\nx: env steps of RL; step 0 is the starting policy. "
+            "Shaded: 95% Wilson interval.")
+
+
+def command_line() -> str | None:
+    """The `embodied-rl ...` command line of this process, when it is the CLI."""
+    import sys
+
+    program = Path(sys.argv[0])
+    if program.name == "embodied-rl" or (program.name == "__main__.py" and program.parent.name == "embodied_rl"):
+        return " ".join(["embodied-rl", *sys.argv[1:]])
+    return None
+
+
+def run_section(tensorboard: bool = False, **wall_s: float | None) -> str:
+    """Markdown: the command that made the run (when it came from the CLI), its resolved config,
+    wall times (`name=seconds`) and (`tensorboard`) where its scalars are."""
+    lines = []
+    command = command_line()
+    if command:
+        lines.append(f"- command: `{command}`")
+    lines.append("- resolved config: [config.yaml](config.yaml)")
+    lines += [f"- {name.replace('_', ' ')}: {seconds:.1f} s" for name, seconds in wall_s.items() if seconds is not None]
+    if tensorboard:
+        lines.append("- every logged scalar: metrics.jsonl; in TensorBoard: `tensorboard --logdir <run_dir>/tb`")
+    return "\n".join(lines)
+
