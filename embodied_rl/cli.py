@@ -73,8 +73,12 @@ def _hydra_error_line(command: str, error: Exception) -> str:
     match = re.search(r"Could not (?:find|load) '([^'/]+)/([^']+)'", text)
     if match:
         group, option = match.groups()
-        options = ", ".join(group_options(group)) if (config_dir() / group).is_dir() else "?"
-        return f"unknown {group} '{option}' (choose from: {options})"
+        if not (config_dir() / group).is_dir():
+            return f"unknown {group} '{option}'"
+        # a group's sub-folders are families of options (task=metaworld/<task>, task=lm/<task>)
+        families = sorted(f"{p.name}/<{group}>" for p in (config_dir() / group).iterdir() if p.is_dir())
+        more = "; `embodied-rl tasks` lists every task" if group == "task" else ""
+        return f"unknown {group} '{option}' (choose from: {', '.join([*group_options(group), *families])}{more})"
     match = re.search(r"Key '([^']+)' is not in struct", text)
     if match:
         return f"unknown config key '{match.group(1)}' for '{command}'"

@@ -32,3 +32,12 @@ def test_tasks_lists_every_task_with_its_columns(capsys, tmp_path, monkeypatch):
 def test_tasks_refuses_options(capsys):
     assert main(["tasks", "backend=mujoco"]) == 2
     assert "backend" in capsys.readouterr().err
+
+
+def test_tasks_lists_the_language_tasks_and_an_unknown_task_names_the_families(capsys):
+    assert main(["tasks"]) == 0
+    out = capsys.readouterr().out
+    assert "\nlm/addition " in out and "\nlm/countdown " in out
+    assert main(["collect", "task=nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown task 'nope' (choose from: " in err and "lm/<task>, metaworld/<task>" in err

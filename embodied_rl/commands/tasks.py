@@ -2,8 +2,8 @@
 
 Columns: name, gymnasium id, backends, observation modes, max episode steps, scripted expert,
 number of instructions ("-" for a task without them), success criterion (last, as it is a
-sentence). The instruction texts of language-conditioned tasks follow the table. Writes no run
-directory.
+sentence). The instruction texts of language-conditioned tasks follow the table, then the
+language tasks (task=lm/<name>, docs/language.md). Writes no run directory.
 """
 
 from __future__ import annotations
@@ -49,6 +49,13 @@ def instruction_lines() -> list[str]:
     return lines
 
 
+def language_rows() -> list[tuple[str, str]]:
+    """(name, what a problem is) per language task."""
+    from embodied_rl.lm.tasks import TASKS
+
+    return [(name, (task.__doc__ or "").strip().splitlines()[0]) for name, task in TASKS.items()]
+
+
 def format_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
@@ -63,4 +70,6 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], None]:
         print("\n" + "\n".join(lines))
     print("\ngymnasium supports the state observation mode only; "
           "override a task's episode length with task.max_episode_steps=N.")
+    print("\nlanguage tasks (pretrain, eval and finetune with task=lm/<name>; docs/language.md):\n"
+          + format_table(("task", "problem"), language_rows()))
     return {}, None
