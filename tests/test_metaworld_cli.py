@@ -98,3 +98,25 @@ def test_collect_refuses_a_bad_per_instruction(tmp_path, capsys):
     assert main(["collect", "task=metaworld/reach", "per_instruction=0", f"run_dir={tmp_path / 'c'}"]) == 2
     assert "per_instruction must be null or an integer >= 1" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
+
+
+def test_collect_on_a_suite_picks_a_fitting_num_envs_or_names_one(tmp_path, capsys):
+    from embodied_rl.cli import compose
+    from embodied_rl.commands.collect import validate
+
+    for suite, num_envs in (("MT50", 50), ("MT10", 20), ("reach", 16)):
+        cfg = compose("collect", [f"task=metaworld/{suite}"])
+        validate(cfg)
+        assert cfg.num_envs == num_envs, suite
+    assert main(["collect", "task=metaworld/MT10", "num_envs=16", "demos=1", f"run_dir={tmp_path / 'r'}"]) == 2
+    err = capsys.readouterr().err
+    assert "num_envs=16 must be a multiple of the 10 tasks it is split across (e.g. num_envs=20)" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_export_takes_meta_worlds_control_rate(demos, capsys):
+    pytest.importorskip("pyarrow")
+    out = demos / "lerobot"
+    assert main(["export-demos", f"data={demos / 'collect' / 'demos.zarr'}", f"out={out}",
+                 f"run_dir={demos / 'export'}"]) == 0, capsys.readouterr().err
+    assert json.loads((out / "meta" / "info.json").read_text())["fps"] == 80  # frame_skip 5 x 0.0025 s

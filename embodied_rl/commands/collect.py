@@ -27,11 +27,27 @@ from embodied_rl.errors import UserError
 from embodied_rl.runs import progress
 
 
+DEFAULT_NUM_ENVS = 16
+
+
+def default_num_envs(cfg: DictConfig) -> int:
+    """DEFAULT_NUM_ENVS, rounded up to a multiple of a suite's task count: a suite splits its envs
+    evenly across its tasks (metaworld/MT50: 50 envs)."""
+    suite = len(cfg.task.get("suite_tasks") or []) or 1
+    return -(-DEFAULT_NUM_ENVS // suite) * suite
+
+
 def validate(cfg: DictConfig) -> dict[str, Any]:
-    """Check the config before any work; return the task's options (envs.task_overrides)."""
+    """Check the config before any work (a null num_envs becomes `default_num_envs`); return the
+    task's options (envs.task_overrides)."""
+    from omegaconf import open_dict
+
     from embodied_rl.commands import validate_common
     from embodied_rl.envs import task_overrides
 
+    if cfg.num_envs is None:
+        with open_dict(cfg):
+            cfg.num_envs = default_num_envs(cfg)
     validate_common(cfg)
     task_options = task_overrides(cfg.task)
     if cfg.task.get("expert") is False:

@@ -50,6 +50,8 @@ def control_rate(task: str | None) -> int:
         raise UserError(f"fps=N is required: the dataset's task ({task or 'none recorded'}) is not a known "
                         "task whose control rate could be used")
     spec = make_task(task)
+    if spec.control_rate_hz is not None:  # a task run by another engine (Meta-World) states it
+        return max(1, round(spec.control_rate_hz))
     try:
         seconds = spec.load_model().opt.timestep * spec.control_substeps
     except Exception as error:  # a suite task whose model lives in another engine (Meta-World)

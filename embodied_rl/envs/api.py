@@ -120,6 +120,7 @@ class Task:
     xml: str = ""  # MJCF file name under assets/
     max_episode_steps: int = 100
     control_substeps: int = 1  # mj_step calls per env step
+    control_rate_hz: float | None = None  # env steps per second; None: the model's timestep x control_substeps
     obs_dim: int = 0
     action_dim: int = 0
     camera: str = ""  # name of the fixed MJCF camera used for rendering

@@ -95,7 +95,9 @@ class EnvPoolEnv(BatchedEnv):
         if num_envs < 1:
             raise UserError(f"num_envs must be >= 1, got {num_envs}")
         if num_envs % len(env_ids):
-            raise UserError(f"num_envs={num_envs} must be a multiple of the {len(env_ids)} tasks it is split across")
+            fitting = len(env_ids) * max(1, round(num_envs / len(env_ids)))
+            raise UserError(f"num_envs={num_envs} must be a multiple of the {len(env_ids)} tasks it is split across "
+                            f"(e.g. num_envs={fitting})")
         if not isinstance(num_threads, int) or num_threads < 0:
             raise UserError(f"num_threads must be an integer >= 0, got {num_threads!r}")
         known = set(self._envpool.list_all_envs())

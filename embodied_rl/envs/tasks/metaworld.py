@@ -69,6 +69,7 @@ class MetaWorldTask(Task):
     # the episode there spends no steps after it and changes no success rate.
     success_terminates = True
     success_criterion = "Meta-World's own success flag (info['success']); the episode ends at the first success"
+    control_rate_hz = 80.0  # Meta-World's frame_skip 5 x timestep 0.0025 s (its render_fps)
     camera = ""  # EnvPool renders videos itself; no pixel observations (docs/backends.md)
     suite_tasks: tuple[str, ...] = ()  # Meta-World task names; env i runs suite_tasks[i // (N / K)]
 
