@@ -241,6 +241,13 @@ class ActorAgent(ChunkExecutor):
         return chunk[envs.to(chunk.device)]
 
 
+# How a chain actor aggregates log-densities over the executed chunk entries (Ta x A), which sets
+# what PPO's clip bounds: "mean", the average entry's log-ratio (ReinFlow's scale); "sum", the whole
+# chunk's log-ratio (pi_RL's chunk-level log-prob, Flow-SDE); "none", every entry its own ratio and
+# clip, the loss averaged over entries (pi_RL's token-level log-prob, Flow-Noise).
+LOGPROB_REDUCE = ("mean", "sum", "none")
+
+
 class ChainActor(Actor):
     """Shared by the actors that make the policy's own denoising / integration chain stochastic
     (DPPO, Flow-Noise, Flow-SDE). Holds the frozen base policy and a trainable copy `ft` whose
@@ -256,10 +263,8 @@ class ChainActor(Actor):
         super().__init__()
         import copy
 
-        if logprob_reduce not in ("mean", "sum"):
-            raise ValueError(f"logprob_reduce must be 'mean' or 'sum', got {logprob_reduce!r}")
-        # how a step's log-density is aggregated over the executed chunk entries: with "sum" the
-        # PPO clip bounds the whole chunk's log-ratio (pi_RL); "mean" bounds it per entry
+        if logprob_reduce not in LOGPROB_REDUCE:
+            raise ValueError(f"logprob_reduce must be one of {', '.join(LOGPROB_REDUCE)}, got {logprob_reduce!r}")
         self.logprob_reduce = logprob_reduce
 
         self.policy = policy.eval().requires_grad_(False)
@@ -269,6 +274,8 @@ class ChainActor(Actor):
         self.n_action_steps = policy.n_action_steps
         self.num_steps = policy.num_inference_steps
         self.executed = slice(policy.n_obs_steps - 1, policy.n_obs_steps - 1 + policy.n_action_steps)
+        if logprob_reduce == "none":  # one likelihood column per executed entry
+            self.num_logprob_positions = policy.n_action_steps * policy.action_dim
         self.critic = Critic(policy, critic_hidden)
 
     @torch.no_grad()
@@ -284,10 +291,12 @@ class ChainActor(Actor):
         return values[:, self.executed].flatten(1).mean(-1)
 
     def chunk_logprob(self, values: Tensor) -> Tensor:
-        """A step's log-density (or entropy) over the executed chunk entries, reduced by
-        `logprob_reduce`: [N, H, A] -> [N]."""
+        """Log-densities (or entropies) of the executed chunk entries as likelihood columns,
+        reduced by `logprob_reduce`: [N, H, A] -> [N, 1] (mean, sum) or [N, Ta * A] (none)."""
         executed = values[:, self.executed].flatten(1)
-        return executed.sum(-1) if self.logprob_reduce == "sum" else executed.mean(-1)
+        if self.logprob_reduce == "none":
+            return executed
+        return (executed.sum(-1) if self.logprob_reduce == "sum" else executed.mean(-1))[:, None]
 
     def actor_parameters(self) -> list[nn.Parameter]:
         return [p for name, p in self.named_parameters()

@@ -5,10 +5,12 @@ Euler steps into a Markov chain of Gaussian transitions with a tractable likelih
     log sigma_i = noise_net([x_i, t_i, cond]) squashed into [log min_std, log max_std]
 
 The velocity network (a trainable copy) and the noise network are both trained.
-Likelihood: the whole chain's log-prob, *summed over the K steps* and *averaged over the
-executed chunk entries* (H_exec x A), so its scale does not grow with the chunk size; the entropy
-bonus uses the same aggregation. logprob is [N, 1]. Works with flow and shortcut policies at any
-K (1-4 is the point: few steps are cheap) and with diffusion policies (their DDIM eta=0 step).
+Likelihood: each executed chunk entry's (Ta x A) log-density *averaged over the K transitions*
+(pi_RL's joint log-prob), then aggregated over the entries by `logprob_reduce`: "mean" is
+ReinFlow's own normalisation (the chain's log-prob over K x Ta x A), "none" gives every entry its
+own ratio and clip (pi_RL's token level), "sum" the chunk's (actors/base.py, LOGPROB_REDUCE). The
+entropy bonus uses the same aggregation. Works with flow and shortcut policies at any K (1-4 is
+the point: few steps are cheap) and with diffusion policies (their DDIM eta=0 step).
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ class FlowNoiseActor(ChainActor):
         max_std: float = 0.2,
         noise_hidden: int = 128,
         critic_hidden: int = 256,
+        logprob_reduce: str = "mean",
     ):
-        super().__init__(policy, critic_hidden)
+        super().__init__(policy, critic_hidden, logprob_reduce)
         if not 0 < min_std <= max_std:
             raise ValueError(f"need 0 < min_std <= max_std, got {min_std}, {max_std}")
         self._config = dict(min_std=min_std, max_std=max_std, noise_hidden=noise_hidden,
-                            critic_hidden=critic_hidden)
+                            critic_hidden=critic_hidden, logprob_reduce=logprob_reduce)
         self.log_min, self.log_max = math.log(min_std), math.log(max_std)
         chunk = policy.horizon * policy.action_dim
         self.noise_net = mlp(chunk + 1 + policy.cond_dim, chunk, noise_hidden, 2)
@@ -71,12 +74,12 @@ class FlowNoiseActor(ChainActor):
     def evaluate(self, obs: Obs, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         cond = self.encode(obs)
         chain = stash["chain"]
-        logprob = torch.zeros(len(chain), device=chain.device)
-        entropy = torch.zeros(len(chain), device=chain.device)
+        logprob = torch.zeros_like(chain[:, 0])  # [N, H, A]: per entry, averaged over the K transitions
+        entropy = torch.zeros_like(chain[:, 0])
         for i, mean, std in self._transitions(cond, chain):
-            logprob = logprob + self.chunk_mean(gaussian_logprob(chain[:, i + 1], mean, std))
-            entropy = entropy + self.chunk_mean(gaussian_entropy(std))
-        return logprob[:, None], entropy[:, None]
+            logprob = logprob + gaussian_logprob(chain[:, i + 1], mean, std) / self.num_steps
+            entropy = entropy + gaussian_entropy(std) / self.num_steps
+        return self.chunk_logprob(logprob), self.chunk_logprob(entropy)
 
     def base_kl(self, obs: Obs, stash: dict[str, Tensor]) -> Tensor:
         cond = self.encode(obs)

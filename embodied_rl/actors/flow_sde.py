@@ -5,8 +5,9 @@ Per chunk and env, a step j ~ Uniform{0..K-1} is drawn; step j is sampled from
 `ft.step_mean_std(x_j, j, cond, policy.sde_noise_level(j, a))` (flow: the marginal-preserving SDE
 step with pi_RL's schedule sigma_j = a sqrt((1 - t_j) / t_j), std sigma_j sqrt(dt); diffusion:
 DDIM with eta = a), every other step is `ft.denoise_step`. Training recomputes that one
-transition only: logprob [N, 1] is its Gaussian log-density over the executed chunk entries,
-summed (`logprob_reduce="sum"`, pi_RL's: the clip bounds the chunk's log-ratio) or averaged.
+transition only: logprob is its Gaussian log-density over the executed chunk entries, summed
+(`logprob_reduce="sum"`, pi_RL's chunk level: the clip bounds the chunk's log-ratio), averaged, or
+one column per entry (actors/base.py, LOGPROB_REDUCE).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class FlowSDEActor(ChainActor):
     def evaluate(self, obs: Obs, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         mean, std = self._transition(self.encode(obs), stash)
         logprob = self.chunk_logprob(gaussian_logprob(stash["x_after"], mean, std))
-        return logprob[:, None], self.chunk_logprob(gaussian_entropy(std))[:, None]
+        return logprob, self.chunk_logprob(gaussian_entropy(std))
 
     def base_kl(self, obs: Obs, stash: dict[str, Tensor]) -> Tensor:
         cond = self.encode(obs)

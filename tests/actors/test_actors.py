@@ -108,6 +108,21 @@ def test_flow_sde_noise_follows_pi_rls_schedule_and_sum_bounds_the_chunk():
         make_actor("flow_sde", policy, 5, logprob_reduce="max")
 
 
+@pytest.mark.parametrize("kind", ["flow_noise", "flow_sde"])
+def test_logprob_reduce_sets_the_likelihood_columns_and_their_scale(kind):
+    policy = tiny_policy("flow", 4)
+    obs = torch.randn(5, 2, OBS_DIM)
+    actors = {reduce: make_actor(kind, policy, 5, logprob_reduce=reduce) for reduce in ("mean", "sum", "none")}
+    for actor in actors.values():  # one set of weights: copies of the same base policy
+        actor.load_state_dict(actors["mean"].state_dict())
+    out = actors["none"].act(obs)
+    per_entry, entropy = actors["none"].evaluate(obs, out.stash)
+    assert actors["none"].num_logprob_positions == 3 * ACTION_DIM  # Ta x A executed entries
+    assert per_entry.shape == entropy.shape == (5, 3 * ACTION_DIM) and torch.equal(per_entry, out.logprob)
+    assert torch.allclose(actors["sum"].evaluate(obs, out.stash)[0], per_entry.sum(-1, keepdim=True), atol=1e-5)
+    assert torch.allclose(actors["mean"].evaluate(obs, out.stash)[0], per_entry.mean(-1, keepdim=True), atol=1e-6)
+
+
 def test_residual_starts_as_the_base_and_resets_the_base_queue_per_env():
     actor = make_actor("residual", tiny_policy("diffusion", 2), num_envs=3, action_scale=0.1)
     obs = torch.randn(3, OBS_DIM)
