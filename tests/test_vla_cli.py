@@ -90,6 +90,20 @@ def test_eval_on_held_out_combinations_and_with_any_instruction(bc, tmp_path, ca
     info = json.loads((tmp_path / "paraphrase" / "eval_info.json").read_text())
     assert info["policy_instruction"] == "please lift the red block"
     assert info["per_episode"][0]["instruction"] != "please lift the red block"  # success: the env's own
+    assert info["scored_against"] == "each env's own instruction"
+    assert "scored_against: each env's own instruction" in capsys.readouterr().out
+
+    # a typed instruction scored against one of the task's, on the same episodes as that one itself
+    for name, extra in (("typed", ["instruction=please lift the red block"]), ("own", [])):
+        assert main(["eval", f"checkpoint={bc}", "episodes=2", "num_envs=2", "videos=0",
+                     "env_instruction=pick up the red cube", *extra, f"run_dir={tmp_path / name}"]) == 0, \
+            capsys.readouterr().err
+    typed, own = (json.loads((tmp_path / name / "eval_info.json").read_text()) for name in ("typed", "own"))
+    assert typed["scored_against"] == own["scored_against"] == "instruction 0: 'pick up the red cube'"
+    assert {e["instruction"] for e in typed["per_episode"] + own["per_episode"]} == {"pick up the red cube"}
+    assert [e["seed"] for e in typed["per_episode"]] == [e["seed"] for e in own["per_episode"]]
+    assert main(["eval", f"checkpoint={bc}", "env_instruction=99", f"run_dir={tmp_path / 'bad'}"]) == 2
+    assert "env_instruction must be an id in [0, 15)" in capsys.readouterr().err
 
 
 def test_eval_with_instructions_shuffled_across_envs(bc, tmp_path, capsys):

@@ -10,6 +10,12 @@ every env instead of the env's own, encoded on the fly by the policy's text enco
 ablations and paraphrases. Success is still judged on each env's own instruction, which the
 per-episode records keep; eval_info.json adds "policy_instruction".
 
+`env_instruction=ID|TEXT` makes every env draw that one of the task's own instructions (an id or
+its exact text; MuJoCo backends), so `instruction="a paraphrase" env_instruction="the original"`
+scores the typed sentence against the instruction it paraphrases, and the same command without
+instruction= gives the original's score on the very same episodes. The headline and
+eval_info.json say what was scored against ("scored_against").
+
 `instruction_shuffle=true` (a checkpoint whose policy reads instructions) makes each env's policy
 read the instruction another env was given (a seeded random cycle over the envs, drawn every
 round): a language ablation on the very episodes of the same eval without it. eval_info.json adds
@@ -154,6 +160,22 @@ def write_eval_report(run_dir: Path, eval_info: dict[str, Any]) -> Path:
     ])
 
 
+def env_instruction_id(cfg: DictConfig, instructions: list[str]) -> int | None:
+    """The id of `env_instruction=` (an id or the exact text of one of the task's instructions)."""
+    value = cfg.get("env_instruction")
+    if value is None:
+        return None
+    if not instructions:
+        raise UserError("env_instruction= needs a task with instructions")
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(instructions):
+        return value
+    if isinstance(value, str) and value in instructions:
+        return instructions.index(value)
+    raise UserError(f"env_instruction must be an id in [0, {len(instructions)}) or one of the task's instructions "
+                    f"({'; '.join(repr(text) for text in instructions[:4])}{', ...' if len(instructions) > 4 else ''}), "
+                    f"got {value!r}")
+
+
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     from embodied_rl.lm import is_lm_task, refuse_lm_checkpoint
 
@@ -184,6 +206,12 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     options = policy.env_options()  # the env renders what the policy was trained on
     # task= given: its config's overrides (task.max_episode_steps=N, ...); else the task as it is
     task_options = envs.task_overrides(cfg.task) if OmegaConf.select(cfg, "task.name") else {}
+    instructions = list(envs.registry.task_class(task).instructions)
+    fixed = env_instruction_id(cfg, instructions)
+    if fixed is not None:
+        task_options["fixed_instruction"] = fixed
+    scored_against = (None if not instructions else "each env's own instruction" if fixed is None
+                      else f"instruction {fixed}: {instructions[fixed]!r}")
     env = envs.make(
         task, num_envs=num_envs, backend=cfg.backend, device=cfg.device, seed=int(cfg.seed),
         render_size=int(cfg.video_size), task_options=task_options, **options,
@@ -218,6 +246,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         "backend": envs.resolve_backend(task, cfg.backend),
         "device": str(cfg.device),
         **({"policy_instruction": str(cfg.instruction)} if cfg.get("instruction") is not None else {}),
+        **({"scored_against": scored_against} if scored_against else {}),
         **({"instruction_shuffle": True} if cfg.get("instruction_shuffle") else {}),
         **eval_info,
         "config": OmegaConf.to_container(cfg, resolve=True),
@@ -230,6 +259,10 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     headline: dict[str, Any] = {"task": task, "n_episodes": overall["n_episodes"]}
     if overall["success_rate"] is not None:
         headline["success"] = success_text(overall)
+    if cfg.get("instruction") is not None:
+        headline["policy_read"] = str(cfg.instruction)
+    if scored_against and (cfg.get("instruction") is not None or fixed is not None):
+        headline["scored_against"] = scored_against
     headline["avg_sum_reward"] = overall["avg_sum_reward"]
     if overall["sum_reward_ci95"] is not None:
         low, high = overall["sum_reward_ci95"]

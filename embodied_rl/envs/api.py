@@ -128,6 +128,7 @@ class Task:
     success_terminates: bool = True  # whether reaching success ends the episode
     success_criterion: str = ""  # one sentence, shown by `embodied-rl tasks`
     instructions: tuple[str, ...] = ()  # non-empty: language-conditioned (obs["instruction"] ids)
+    fixed_instruction: int | None = None  # an id: every episode gets that instruction (eval env_instruction=)
     backends: tuple[str, ...] = ("mujoco", "mujoco_warp", "gymnasium")  # the first is the default
 
     def __init__(self, **overrides: Any):
@@ -135,6 +136,11 @@ class Task:
             if key.startswith("_") or not hasattr(type(self), key) or callable(getattr(type(self), key)):
                 raise UserError(f"unknown option '{key}' for task '{self.name}'")
             setattr(self, key, value)
+        fixed = self.fixed_instruction
+        if fixed is not None and (not isinstance(fixed, int) or isinstance(fixed, bool)
+                                  or not 0 <= fixed < len(self.instructions)):
+            raise UserError(f"fixed_instruction must be an instruction id in [0, {len(self.instructions)}) "
+                            f"of task '{self.name}', got {fixed!r}")
 
     def model_path(self) -> Path:
         return asset_dir() / self.xml
@@ -468,7 +474,11 @@ class SimBatchedEnv(BatchedEnv):
             qpos, qvel = self.task.sample_init(n, self.generator, self.sim_device)
         sim_ids = env_ids.to(self.sim_device)
         if self._instruction is not None:  # drawn after the initial states, from the same generator
-            instruction = self.task.sample_instruction(n // group_size if grouped else n, self.generator)
+            count = n // group_size if grouped else n
+            if self.task.fixed_instruction is not None:
+                instruction = torch.full((count,), self.task.fixed_instruction, dtype=torch.long)
+            else:
+                instruction = self.task.sample_instruction(count, self.generator)
             if grouped:
                 instruction = instruction.repeat_interleave(group_size)
             self._instruction[sim_ids] = instruction.to(self.sim_device, torch.long)
