@@ -384,3 +384,22 @@ def test_recap_rollout_data_trains_from_bc_on_each_kind_of_rollout(tmp_path, cap
     assert all(row["bc_loss"] > 0 for row in report["windows"].values())
     assert report["indicator_norm"]["conditioning"] > 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == report
+
+
+def test_dsrl_ceiling_best_of_n_is_at_least_every_draw(tmp_path, capsys, monkeypatch):
+    from embodied_rl.envs.tasks.reach import ReachTask
+    from embodied_rl.policies import make_policy, save_policy
+
+    monkeypatch.setattr(ReachTask, "success_radius", 0.08)  # the untrained policy's episodes end both ways
+    bench = load_benchmark("dsrl_ceiling")
+    torch.manual_seed(0)
+    policy = make_policy("flow", obs_dim=8, action_dim=2, n_obs_steps=2, horizon=4, n_action_steps=2,
+                         num_inference_steps=2, task="reach", backbone_kwargs=dict(hidden_dim=16, num_blocks=1, time_dim=8))
+    save_policy(policy, tmp_path / "bc")
+    result = bench.run(bench.parse_args(["--checkpoint", str(tmp_path / "bc"), "--task", "reach", "--episodes", "16",
+                                         "--num-envs", "8", "--draws", "3"]))
+    average = result["average"]
+    assert 0.0 <= average["sampled"] <= average["best_of_n"] <= 1.0
+    lines = capsys.readouterr().out.strip().splitlines()
+    draws = [float(line.split(": ")[1]) for line in lines if line.startswith("draw")]
+    assert len(draws) == 3 and max(draws) <= average["best_of_n"]
