@@ -81,10 +81,12 @@ def load_model(path: str | Path, device: str = "cpu") -> tuple[Any, Any]:
         raise UserError(f"model directory '{path}' has no weights (model.safetensors)")
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         raise UserError(f"model directory '{path}' has no tokenizer files (tokenizer.json)")
+    from safetensors import SafetensorError
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as error:  # a damaged file
         raise UserError(f"cannot load model '{path}': {type(error).__name__}: {str(error).splitlines()[0]}") from None
     if tokenizer.eos_token_id is None:
         raise UserError(f"the tokenizer of '{path}' has no end-of-sequence token")

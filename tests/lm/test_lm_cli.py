@@ -108,3 +108,17 @@ def test_sft_divergence_exits_3_and_checkpoints_last_stays_finite(tmp_path, caps
         assert all(torch.isfinite(t).all() for t in load_file(last / "model.safetensors").values())
     else:
         assert "no checkpoint was written" in err
+
+
+def test_a_truncated_model_file_is_one_line(pretrained, tmp_path, capsys):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(pretrained / "checkpoints" / "last", copy)
+    weights = copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:500])
+    assert main(["eval", "task=lm/addition", "task.digits=2", f"checkpoint={copy}", "lm.problems=2",
+                 f"run_dir={tmp_path / 'eval'}"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot load model" in err and "SafetensorError" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "eval").exists()
