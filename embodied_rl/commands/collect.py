@@ -26,7 +26,6 @@ from embodied_rl.commands import start_run
 from embodied_rl.errors import UserError
 from embodied_rl.runs import progress
 
-
 DEFAULT_NUM_ENVS = 16
 
 

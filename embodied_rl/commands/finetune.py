@@ -16,7 +16,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from embodied_rl.algos.wsrl import check_actor_trains
 from embodied_rl.errors import UserError
-from embodied_rl.runs import LOCK_FILE
 
 ALGOS: dict[str, str] = {
     "residual_ppo": "embodied_rl.algos.ppo",
@@ -80,41 +79,7 @@ def load_base_policy(path: Path, device: str):
 
 # Keys a resumed run may change: how long it runs and what it records, not what it trains.
 RESUME_MAY_CHANGE = ("env_steps", "eval_every", "eval_episodes", "videos", "checkpoint_every", "log_every",
-                     "save_replay", "threads", "run_dir")
-
-
-def _flat_items(cfg: DictConfig) -> dict[str, Any]:
-    def walk(node: Any, prefix: str) -> dict[str, Any]:
-        if isinstance(node, dict):
-            out: dict[str, Any] = {}
-            for key, value in node.items():
-                out.update(walk(value, f"{prefix}{key}."))
-            return out
-        return {prefix[:-1]: node}
-
-    return walk(OmegaConf.to_container(cfg, resolve=True), "")
-
-
-def check_previous_run(cfg: DictConfig) -> None:
-    """A non-empty run_dir must be an earlier finetune run with the same settings, except the
-    keys in RESUME_MAY_CHANGE (e.g. a larger env_steps continues training); config.yaml is then
-    rewritten, so it always tells what ran."""
-    if not cfg.get("run_dir"):
-        return
-    path = Path(str(cfg.run_dir))
-    if not path.is_dir() or not any(p.name != LOCK_FILE for p in path.iterdir()):
-        return
-    previous = path / "config.yaml"
-    if not previous.is_file():
-        raise UserError(f"run_dir '{path}' holds files but no finetune run; choose a new run_dir (nothing was overwritten)")
-    before, now = _flat_items(OmegaConf.load(previous)), _flat_items(cfg)
-    changed = sorted(key for key in before.keys() | now.keys()
-                     if before.get(key) != now.get(key) and key not in RESUME_MAY_CHANGE)
-    if changed:
-        shown = ", ".join(f"{key}={before.get(key)} -> {now.get(key)}" for key in changed[:3])
-        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
-        raise UserError(f"run_dir '{path}' holds a run with other settings ({shown}{more}); resume it with "
-                        f"the same settings (only {', '.join(RESUME_MAY_CHANGE[:-1])} may change) or choose a new run_dir")
+                     "save_replay")
 
 
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
@@ -127,7 +92,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     refuse_lm_checkpoint(cfg)
     checkpoint = validate(cfg)
     policy = load_base_policy(checkpoint, str(cfg.device))
-    from embodied_rl.commands import checkpoint_task, start_run
+    from embodied_rl.commands import check_previous_run, checkpoint_task, start_run
 
     checkpoint_task(policy, checkpoint, cfg.task.name)
 
@@ -147,7 +112,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         raise UserError(f"checkpoint '{checkpoint}' acts in {policy.action_dim} dims, task {cfg.task.name} in {env.action_dim}")
     from embodied_rl.algos.common import find_checkpoint
 
-    distributed.check_on_main(lambda: check_previous_run(cfg))
+    distributed.check_on_main(lambda: check_previous_run(cfg, "finetune", RESUME_MAY_CHANGE))
     run = start_run(cfg, "finetune", allow_existing=True)
     # rank 0 finds (and repairs) the newest checkpoint
     resumed = find_checkpoint(run.file("checkpoints")) is not None if distributed.is_main() else None

@@ -46,7 +46,7 @@ AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-me
 USED_KEYS = ("checkpoint", "seed", "device", "threads", "run_dir", "algo")
 # keys a resumed run may change: how long it runs and what it records, not what it trains
 RESUME_MAY_CHANGE = ("lm.rl.steps", "lm.rl.eval_every", "lm.rl.eval_problems", "lm.rl.checkpoint_every",
-                     "lm.rl.log_every", "threads", "run_dir")
+                     "lm.rl.log_every")
 
 
 @dataclass(frozen=True)
@@ -270,28 +270,6 @@ def refuse_algo_keys(cfg: DictConfig) -> None:
             raise UserError(f"algo.{key} does not apply to language tasks; set lm.rl.* instead")
 
 
-def check_previous_run(cfg: DictConfig) -> None:
-    """A non-empty run_dir must hold an earlier finetune run with the same settings except
-    RESUME_MAY_CHANGE."""
-    from embodied_rl.commands.finetune import _flat_items
-    from embodied_rl.runs import LOCK_FILE
-
-    if not cfg.get("run_dir"):
-        return
-    path = Path(str(cfg.run_dir))
-    if not path.is_dir() or not any(p.name != LOCK_FILE for p in path.iterdir()):
-        return
-    if not (path / "config.yaml").is_file():
-        raise UserError(f"run_dir '{path}' holds files but no finetune run; choose a new run_dir (nothing was overwritten)")
-    before, now = _flat_items(OmegaConf.load(path / "config.yaml")), _flat_items(cfg)
-    changed = sorted(key for key in before.keys() | now.keys()
-                     if before.get(key) != now.get(key) and key not in RESUME_MAY_CHANGE)
-    if changed:
-        shown = ", ".join(f"{key}={before.get(key)} -> {now.get(key)}" for key in changed[:3])
-        raise UserError(f"run_dir '{path}' holds a run with other settings ({shown}); resume it with the same "
-                        f"settings (only {', '.join(RESUME_MAY_CHANGE[:-1])} may change) or choose a new run_dir")
-
-
 def save_checkpoint(root: Path, step: int, model: Any, tokenizer: Any, task_record: dict[str, Any],
                     state: dict[str, Any]) -> Path:
     """checkpoints/<step>/: the model and tokenizer files, training_state/ (optimizers, critic,
@@ -318,7 +296,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         refuse_non_finite,
         set_rng_state,
     )
-    from embodied_rl.commands import start_run
+    from embodied_rl.commands import check_previous_run, start_run
     from embodied_rl.lm.evaluate import (
         check_checkpoint_task,
         evaluate_model,
@@ -348,7 +326,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=config.critic_lr) if critic is not None else None
     task_record = {**OmegaConf.to_container(cfg.task, resolve=True), "base": str(base)}
 
-    check_previous_run(cfg)
+    check_previous_run(cfg, "finetune", RESUME_MAY_CHANGE)
     run = start_run(cfg, "finetune", allow_existing=True)
     step, problems_drawn = 0, 0
 
