@@ -1,6 +1,7 @@
 """`embodied-rl pretrain` end to end through the CLI."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -102,3 +103,31 @@ def test_pretrain_refuses_a_dataset_with_a_missing_chunk(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "data/action is missing 1 of its 1 chunk files" in err
     assert not run_dir.exists()
+
+
+def test_a_stopped_pretrain_resumes_exactly(toy_data, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    def run(run_dir):
+        return main(["pretrain", "task=reach", "policy=flow", f"data={toy_data}", "steps=12", "eval_every=4",
+                     "eval_episodes=0", f"run_dir={run_dir}", *TINY])
+
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert run(whole) == 0
+    assert run(parts) == 0
+    # stopped before step 12's checkpoint, with step 8's training state damaged: it resumes from step 4
+    for name in ("12", "last"):
+        shutil.rmtree(parts / "checkpoints" / name)
+    (parts / "done.json").unlink()
+    (parts / "checkpoints" / "8" / "training_state" / "optimizer.safetensors").write_bytes(b"damaged")
+    capsys.readouterr()
+    assert run(parts) == 0
+    captured = capsys.readouterr()
+    assert "cannot resume from checkpoint" in captured.err and "checkpoints/8'" in captured.err
+    assert "resuming from step 4 of 12" in captured.out
+    for name in ("model.safetensors", "training_state/model.safetensors"):
+        a, b = (load_file(d / "checkpoints" / "last" / name) for d in (whole, parts))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    losses = [(r["step"], r["train/loss"]) for r in (json.loads(line) for line in
+              (parts / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
+    assert [step for step, _ in losses] == [5, 10, 12]

@@ -34,13 +34,13 @@ def test_quickstart_writes_a_report_and_skips_finished_stages(tmp_path, capsys):
 
     # a re-run after a kill during fine-tuning: finetune's periodic eval_info.json is no done-marker,
     # so the finetune stage resumes (and says so) and the last evaluation runs again
-    (run_dir / "4_finetune" / "done.json").unlink()
-    (run_dir / "5_eval_finetuned" / "done.json").unlink()
+    for stage in ("2_pretrain", "4_finetune", "5_eval_finetuned"):
+        (run_dir / stage / "done.json").unlink()
     assert main(["quickstart", *TINY, f"run_dir={run_dir}"]) == 0
     out = capsys.readouterr().out
-    assert "resuming this run_dir: 1_collect done, 2_pretrain done, 3_eval_pretrained done, " \
-           "4_finetune stopped at its checkpoint of step 200, 5_eval_finetuned stopped" in out
-    assert "collect: done already" in out and "pretrain: done already" in out
+    assert "resuming this run_dir: 1_collect done, 2_pretrain stopped at its checkpoint of step 20, " \
+           "3_eval_pretrained done, 4_finetune stopped at its checkpoint of step 200, 5_eval_finetuned stopped" in out
+    assert "collect: done already" in out and "resuming from step 20 of 20" in out
     assert "finetune -> " in out and "resuming from" in out
     assert "eval: stopped before its end last time; starting it again" in out
 

@@ -88,9 +88,11 @@ def cosine_with_warmup(warmup_steps: int, total_steps: int) -> Callable[[int], f
 
 
 def write_training_state(
-    directory: str | Path, policy: ChunkPolicy, optimizer: torch.optim.Optimizer, step: int
+    directory: str | Path, policy: ChunkPolicy, optimizer: torch.optim.Optimizer, step: int,
+    rng: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Raw (non-EMA) weights, AdamW moments and the step: safetensors + JSON, no pickles."""
+    """Raw (non-EMA) weights, AdamW moments, the step and (`rng`) every rank's RNG states:
+    safetensors + JSON, no pickles."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -102,6 +104,8 @@ def write_training_state(
     save_file({k: v.detach().cpu().contiguous() for k, v in policy.state_dict().items()},
               str(directory / "model.safetensors"))
     save_file(tensors, str(directory / "optimizer.safetensors"))
+    if rng is not None:
+        save_file(rng, str(directory / "rng.safetensors"))
     (directory / "state.json").write_text(
         json.dumps({"step": step, "param_groups": optimizer_state["param_groups"]}, indent=2) + "\n"
     )
@@ -114,13 +118,35 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     step: int,
     extra: dict[str, Any] | None = None,
+    rng: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """A checkpoint directory, written atomically: the EMA policy (load it with load_policy)
-    plus training_state/ (raw weights, optimiser, step)."""
+    plus training_state/ (raw weights, optimiser, step, RNGs)."""
     with atomic_dir(path) as tmp:
         write_policy_files(ema_policy, tmp, {"step": step, **(extra or {})})
-        write_training_state(tmp / "training_state", policy, optimizer, step)
+        write_training_state(tmp / "training_state", policy, optimizer, step, rng)
     return Path(path)
+
+
+def read_training_state(path: str | Path) -> dict[str, Any]:
+    """What a checkpoint holds for `train_bc(resume=...)`: {"step", "ema" and "policy" (state
+    dicts), "optimizer" (a state dict), "rng" (per-rank states)}. Raises what a damaged file
+    raises (algos.common.UNREADABLE)."""
+    from safetensors.torch import load_file
+
+    from embodied_rl.policies import load_policy
+
+    path = Path(path)
+    directory = path / "training_state"
+    meta = json.loads((directory / "state.json").read_text())
+    optimizer_state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in load_file(str(directory / "optimizer.safetensors")).items():
+        _, index, name = key.split(".", 2)
+        optimizer_state.setdefault(int(index), {})[name] = value
+    return {"step": int(meta["step"]), "ema": load_policy(path).state_dict(),
+            "policy": load_file(str(directory / "model.safetensors")),
+            "optimizer": {"state": optimizer_state, "param_groups": meta["param_groups"]},
+            "rng": load_file(str(directory / "rng.safetensors"))}
 
 
 def train_bc(
@@ -129,9 +155,13 @@ def train_bc(
     config: BCConfig,
     run: Run | None = None,
     evaluate_fn: Callable[[ChunkPolicy, int], dict[str, Any]] | None = None,
-    checkpoint_fn: Callable[[ChunkPolicy, ChunkPolicy, torch.optim.Optimizer, int], None] | None = None,
+    checkpoint_fn: Callable[..., None] | None = None,
+    resume: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Train `policy` in place; returns {"ema_policy", "final_loss", "losses", "evals", "train_s"}."""
+    """Train `policy` in place; returns {"ema_policy", "final_loss", "losses", "evals", "train_s"}.
+    `checkpoint_fn(ema_policy, policy, optimizer, step, rng)`: `rng` holds every rank's RNG
+    states. `resume` (read_training_state of a checkpoint of the same run) continues after its
+    step exactly as the run that never stopped."""
     distributed.broadcast_modules([policy])
     seed = distributed.rank_seed(config.seed)  # each rank its own batches and noise
     torch.manual_seed(seed)
@@ -143,30 +173,44 @@ def train_bc(
         optimizer, cosine_with_warmup(config.warmup_steps, config.steps)
     )
     ema = EMA(policy, power=config.ema_power, max_decay=config.ema_max_decay)
+    done = 0  # steps taken before this process (a resumed run)
+    saved: str | None = None  # the step checkpoints/last holds, for the divergence message
+    if resume is not None:
+        done, saved = int(resume["step"]), f"step {resume['step']}"
+        policy.load_state_dict(resume["policy"])
+        ema.model.load_state_dict(resume["ema"])
+        ema.step = done  # one EMA update per step
+        optimizer.load_state_dict(resume["optimizer"])
+        lr_schedule.last_epoch = done  # the optimiser state holds the learning rate of that step
+        torch.set_rng_state(resume["rng"][f"torch.{distributed.rank()}"])
+        generator.set_state(resume["rng"][f"generator.{distributed.rank()}"])
     losses: list[tuple[int, float]] = []
     evals: list[tuple[int, dict[str, Any]]] = []
     running_loss, running_count = 0.0, 0
     start = time.perf_counter()
-    saved: str | None = None  # the step checkpoints/last holds, for the divergence message
 
     def evaluate_and_save(step: int) -> None:
         nonlocal saved
         # the ranks' weights are equal, so every rank stops here alike
         refuse_non_finite(f"step {step}", saved, weights=ema.model.state_dict(), raw_weights=policy.state_dict(),
                           optimizer=optimizer.state_dict())
+        ranks = distributed.gather_objects((torch.get_rng_state(), generator.get_state()))
         if not distributed.is_main():
             return
+        rng = {f"{name}.{rank}": state for rank, states in enumerate(ranks)
+               for name, state in zip(("torch", "generator"), states)}
         if evaluate_fn is not None:
             metrics = evaluate_fn(ema.model, step)
             evals.append((step, metrics))
             if run is not None and metrics:
                 run.log(step, {f"eval/{k}": v for k, v in metrics.items()})
         if checkpoint_fn is not None:
-            checkpoint_fn(ema.model, policy, optimizer, step)
+            checkpoint_fn(ema.model, policy, optimizer, step, rng)
             saved = f"step {step}"
 
     policy.train()
-    bar = progress(range(1, config.steps + 1), total=config.steps, desc="pretrain", show=distributed.is_main())
+    bar = progress(range(done + 1, config.steps + 1), total=config.steps, desc="pretrain", show=distributed.is_main(),
+                   initial=done)
     for step in bar:
         batch = windows.sample(config.batch_size, generator)
         loss = policy.bc_loss(batch)
@@ -191,7 +235,7 @@ def train_bc(
             if run is not None:
                 run.log(step, {"train/loss": mean_loss, "train/lr": optimizer.param_groups[0]["lr"],
                                "train/ema_decay": ema.decay(),
-                               "train/steps_per_s": step / (time.perf_counter() - start)})
+                               "train/steps_per_s": (step - done) / (time.perf_counter() - start)})
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(loss=f"{mean_loss:.4f}")
         if config.eval_every and step % config.eval_every == 0 and step < config.steps:

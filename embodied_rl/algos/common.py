@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
 from embodied_rl import distributed
 from embodied_rl.errors import Diverged, UserError
@@ -197,7 +198,7 @@ def find_checkpoint(root: str | Path) -> Path | None:
 
 # what reading a damaged checkpoint raises: torch.load (a truncated zip, bad pickle bytes),
 # safetensors, json, a missing file; UserError from the loaders that name the file
-UNREADABLE = (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError)
+UNREADABLE = (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError, SafetensorError)
 
 
 def newest_readable_checkpoint(root: str | Path, read: Callable[[Path], Any]) -> tuple[Path, Any] | None:

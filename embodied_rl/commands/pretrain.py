@@ -5,6 +5,10 @@ the env every `eval_every` steps and at the end, and writes into the run directo
 metrics.jsonl + tb/ (loss, lr, eval), checkpoints/<step>/ and checkpoints/last/ (load with
 `embodied_rl.policies.load_policy`), eval_info.json and videos/ of the final evaluation.
 `obs=pixels` (or policy.obs_mode=pixels) trains from camera frames when the dataset has them.
+
+A run_dir holding an earlier pretrain run with the same settings (except RESUME_MAY_CHANGE)
+resumes from its newest readable checkpoint and continues exactly as the run that never
+stopped (weights, EMA, optimiser, learning-rate schedule, every RNG).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from embodied_rl.errors import UserError
 
+# Keys a resumed run may change: what it records, not what it trains (steps shapes the schedule).
+RESUME_MAY_CHANGE = ("eval_every", "eval_episodes", "num_envs", "videos", "log_every")
 POLICY_SPECIFIC_KEYS = ("num_train_timesteps", "prediction_type", "time_sampling", "max_steps", "shortcut_fraction")
 
 
@@ -103,6 +109,27 @@ def _headline_metrics(overall: dict[str, Any]) -> dict[str, Any]:
     return metrics
 
 
+def newest_resumable(root: Path) -> dict[str, Any] | None:
+    """`read_training_state` of the newest checkpoint under `root` (checkpoints/last, then the
+    numbered ones, newest first) that can be read; one that cannot is passed over with one line."""
+    import sys
+
+    from embodied_rl.algos.bc import read_training_state
+    from embodied_rl.algos.common import UNREADABLE
+
+    numbered = sorted((p for p in root.glob("*") if p.name.isdigit()), key=lambda p: -int(p.name))
+    for path in [root / "last", *numbered]:
+        if not (path / "training_state" / "state.json").is_file():
+            continue
+        try:
+            return read_training_state(path)
+        except UNREADABLE as error:
+            reason = (str(error).strip().splitlines() or [""])[0][:200]
+            print(f"warning: cannot resume from checkpoint '{path}' ({type(error).__name__}: {reason}); "
+                  "trying the one before", file=sys.stderr, flush=True)
+    return None
+
+
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     from embodied_rl.lm import is_lm_task
 
@@ -138,7 +165,15 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         ema_power=float(cfg.policy.ema_power), log_every=cfg.log_every, eval_every=cfg.eval_every,
         seed=int(cfg.seed),
     )
-    run = start_run(cfg, "pretrain")
+    from embodied_rl import distributed
+    from embodied_rl.commands import check_previous_run
+
+    distributed.check_on_main(lambda: check_previous_run(cfg, "pretrain", RESUME_MAY_CHANGE))
+    run = start_run(cfg, "pretrain", allow_existing=True)
+    resume = newest_resumable(run.file("checkpoints"))
+    if resume is not None:
+        print(f"resuming from step {resume['step']} of {steps}")
+        run.forget_metrics_after(resume["step"])  # the steps after the checkpoint are redone
 
     env = None
     final_eval: dict[str, Any] = {}
@@ -167,14 +202,14 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
             final_eval = info
         return _headline_metrics(info["overall"])
 
-    def checkpoint_fn(ema_policy: Any, raw_policy: Any, optimizer: Any, step: int) -> None:
+    def checkpoint_fn(ema_policy: Any, raw_policy: Any, optimizer: Any, step: int, rng: dict[str, Any]) -> None:
         extra = {"dataset": str(dataset.path), "steps": steps}
-        save_checkpoint(run.file("checkpoints", str(step)), ema_policy, raw_policy, optimizer, step, extra)
-        save_checkpoint(run.file("checkpoints", "last"), ema_policy, raw_policy, optimizer, step, extra)
+        save_checkpoint(run.file("checkpoints", str(step)), ema_policy, raw_policy, optimizer, step, extra, rng)
+        save_checkpoint(run.file("checkpoints", "last"), ema_policy, raw_policy, optimizer, step, extra, rng)
 
     try:
         result = train_bc(policy, windows, bc_config, run=run, evaluate_fn=evaluate_fn,
-                          checkpoint_fn=checkpoint_fn)
+                          checkpoint_fn=checkpoint_fn, resume=resume)
     finally:
         if env is not None:
             env.close()

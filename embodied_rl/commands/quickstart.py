@@ -10,8 +10,8 @@
 Each stage is the command's own `main(cfg)` with a composed config, so it writes exactly what
 the command would. A stage is finished when its done.json exists (written last, see
 `commands.run_command`): re-running a killed quickstart with the same run_dir skips the
-finished stages, says how far it had got, resumes fine-tuning from its checkpoints/last and
-starts an unfinished collect, pretrain or eval stage again.
+finished stages, says how far it had got, resumes pretraining and fine-tuning from their
+checkpoints and starts an unfinished collect or eval stage again.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from embodied_rl.runs import is_done
 
 def run_stage(command: str, module: str, overrides: list[str], run_dir: Path, resumable: bool = False) -> Path:
     """Compose `command`'s config with `overrides` and run it in `run_dir`, unless its
-    done.json shows it finished. An unfinished stage starts over (`resumable`: finetune
-    continues from its own checkpoints/last instead)."""
+    done.json shows it finished. An unfinished stage starts over (`resumable`: pretrain and
+    finetune continue from their own checkpoints instead)."""
     from embodied_rl.cli import compose
     from embodied_rl.commands import run_command
 
@@ -52,6 +52,15 @@ def describe_progress(root: Path) -> str | None:
     """How far an earlier quickstart in `root` had got, in one line (None for a fresh one)."""
     from embodied_rl.algos.common import checkpoint_step
 
+    def saved_step(stage: Path) -> int | None:  # finetune's counters.json, else pretrain's state.json
+        last = stage / "checkpoints" / "last"
+        if checkpoint_step(last) is not None:
+            return checkpoint_step(last)
+        try:
+            return int(json.loads((last / "training_state" / "state.json").read_text())["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     stages = sorted(d for d in root.iterdir() if d.is_dir() and d.name[:1].isdigit()) if root.is_dir() else []
     if not stages:
         return None
@@ -60,7 +69,7 @@ def describe_progress(root: Path) -> str | None:
         if is_done(stage):
             parts.append(f"{stage.name} done")
             continue
-        step = checkpoint_step(stage / "checkpoints" / "last")
+        step = saved_step(stage)
         parts.append(f"{stage.name} stopped" + (f" at its checkpoint of step {step}" if step is not None else ""))
     return "[quickstart] resuming this run_dir: " + ", ".join(parts)
 
@@ -102,7 +111,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     if cfg.pretrain_steps is not None:
         pretrain.append(f"steps={int(cfg.pretrain_steps)}")
     pretrain_dir = run_stage("pretrain", "embodied_rl.commands.pretrain", pretrain,
-                             root / "2_pretrain")
+                             root / "2_pretrain", resumable=True)
     bc_checkpoint = pretrain_dir / "checkpoints" / "last"
     evaluation = [*sim, f"episodes={cfg.eval_episodes}", f"videos={min(cfg.videos, cfg.eval_episodes)}"]
     before_dir = run_stage("eval", "embodied_rl.commands.evaluate", [*evaluation, f"checkpoint={bc_checkpoint}"],
