@@ -29,6 +29,9 @@ from embodied_rl.errors import UserError
 from embodied_rl.runs import is_done
 
 
+PRETRAIN_CHECKPOINT_EVERY = 500  # gradient steps (push_t's 3000 take about 2.5 minutes on one thread)
+
+
 def run_stage(command: str, module: str, overrides: list[str], run_dir: Path, resumable: bool = False) -> Path:
     """Compose `command`'s config with `overrides` and run it in `run_dir`, unless its
     done.json shows it finished. An unfinished stage starts over (`resumable`: pretrain and
@@ -107,7 +110,9 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
 
     collect_dir = run_stage("collect", "embodied_rl.commands.collect", [*sim, f"demos={cfg.demos}"],
                             root / "1_collect")
-    pretrain = [*sim, f"policy={cfg.bc_policy}", f"data={collect_dir / 'demos.zarr'}", "eval_episodes=0", "videos=0"]
+    # a checkpoint every PRETRAIN_CHECKPOINT_EVERY steps, so a stopped quickstart resumes pretraining there
+    pretrain = [*sim, f"policy={cfg.bc_policy}", f"data={collect_dir / 'demos.zarr'}", "eval_episodes=0", "videos=0",
+                f"eval_every={PRETRAIN_CHECKPOINT_EVERY}"]
     if cfg.pretrain_steps is not None:
         pretrain.append(f"steps={int(cfg.pretrain_steps)}")
     pretrain_dir = run_stage("pretrain", "embodied_rl.commands.pretrain", pretrain,
