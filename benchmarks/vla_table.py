@@ -91,6 +91,12 @@ class Suite:
     targets: Targets
     per_instruction: int | None = None  # at most this many demos per instruction (k-shot)
     shuffled: bool = True    # run the shuffled-instruction ablation
+    task_overrides: tuple[str, ...] = ()  # task.* keys every command of the table gets
+
+
+def task_args(suite: Suite) -> list[str]:
+    """The task and its overrides, as every command of the table receives them."""
+    return [f"task={suite.task}", *suite.task_overrides]
 
 
 # tabletop and MT10: every method to >= 95% within 2 hours of training, BC >= 60%
@@ -110,10 +116,11 @@ SUITES = {
     # 50 demos per task, as the single-task Meta-World table's BC uses
     "metaworld/MT10": Suite("metaworld/MT10", "state", demos=500, quality=1.0, pretrain_steps=10000, collect_envs=50,
                             num_envs=20, eval_envs=50, eval_episodes=200, targets=TABLETOP_TARGETS),
-    # few-shot: 5 demos per task (dial-turn's scripted expert never succeeds, so it gets none)
-    "metaworld/MT50": Suite("metaworld/MT50", "state", demos=250, quality=1.0, pretrain_steps=10000, collect_envs=50,
+    # pi_RL's protocol (RLinf's metaworld_50 env): 100-step episodes for the demos, training and
+    # evaluation; k demos per task (dial-turn's scripted expert never succeeds, so it gets none)
+    "metaworld/MT50": Suite("metaworld/MT50", "state", demos=50, quality=1.0, pretrain_steps=10000, collect_envs=50,
                             num_envs=100, eval_envs=100, eval_episodes=1000, targets=MT50_TARGETS,
-                            per_instruction=5, shuffled=False),
+                            per_instruction=1, shuffled=False, task_overrides=("task.max_episode_steps=100",)),
 }
 
 
@@ -139,7 +146,7 @@ def collect(root: Path, args) -> dict:
         shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted collect
         pixels = ["pixels=true", f"image_size={args.image_size}"] if args.suite.obs == "pixels" else []
         per_instruction = [] if args.per_instruction is None else [f"per_instruction={args.per_instruction}"]
-        _cli(["collect", f"task={args.suite.task}", *pixels, f"demos={args.demos}", f"quality={args.quality}",
+        _cli(["collect", *task_args(args.suite), *pixels, f"demos={args.demos}", f"quality={args.quality}",
               *per_instruction, f"num_envs={args.collect_envs}", f"seed={args.seed}", f"run_dir={run_dir}"])
     info = json.loads((run_dir / "collect_info.json").read_text())
     return {"dataset": info["dataset"], "demos": info["episodes_written"], "wall_s": info["wall_time_s"],
@@ -166,7 +173,7 @@ def pretrain(root: Path, dataset: str, args) -> dict:
     run_dir = root / "pretrain"
     if not (run_dir / "checkpoints" / "last").exists():
         shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted pretrain
-        _cli(["pretrain", f"task={args.suite.task}", "policy=vla", f"obs={args.suite.obs}", f"data={dataset}",
+        _cli(["pretrain", *task_args(args.suite), "policy=vla", f"obs={args.suite.obs}", f"data={dataset}",
               f"steps={args.pretrain_steps}", f"batch_size={args.batch_size}", "policy.warmup_steps=100",
               "eval_episodes=0", "videos=0", f"seed={args.seed}", f"run_dir={run_dir}", *args.pretrain_set])
     last = [r for r in _metrics(run_dir) if "train/steps_per_s" in r][-1]
@@ -182,7 +189,7 @@ def evaluate_split(checkpoint: Path, run_dir: Path, split: str, args) -> dict:
     episodes = args.held_out_episodes if split == "held_out" else args.eval_episodes
     if not (run_dir / "eval_info.json").exists():
         shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted evaluation
-        _cli(["eval", f"task={args.suite.task}", f"checkpoint={checkpoint}", f"episodes={episodes}",
+        _cli(["eval", *task_args(args.suite), f"checkpoint={checkpoint}", f"episodes={episodes}",
               f"num_envs={min(args.eval_envs, episodes)}", "videos=0", f"seed={args.eval_seed}",
               f"run_dir={run_dir}", *SPLIT_OVERRIDES[split]])
     from embodied_rl.eval.stats import wilson_interval
@@ -213,7 +220,7 @@ def finetune(algo: str, checkpoint: Path, root: Path, target: float, args) -> di
     run_dir = root / algo / "finetune"
     if not _finished(run_dir, args.env_steps):
         shutil.rmtree(root / algo / "eval", ignore_errors=True)  # evaluations of an unfinished run: stale
-        _cli(["finetune", f"task={args.suite.task}", f"algo={algo}", f"checkpoint={checkpoint}", f"seed={args.seed}",
+        _cli(["finetune", *task_args(args.suite), f"algo={algo}", f"checkpoint={checkpoint}", f"seed={args.seed}",
               f"env_steps={args.env_steps}", f"num_envs={args.num_envs}", f"eval_every={args.eval_every}",
               f"eval_episodes={args.curve_episodes}", "videos=0", f"run_dir={run_dir}",
               *overrides_for(algo, args.set)])
