@@ -220,7 +220,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-LOSS_GROWTH = 1e4  # a logged loss this many times its first size (at least 1) gets a warning
+LOSS_GROWTH = 1e4  # a logged loss this many times its first size (at least 1) gets a warning,
+LOSS_LIMIT = 1e8  # and so does one this large (no loss of a healthy run here comes near it)
 DONE_FILE = "done.json"  # written last by a command that ran to its end (commands.run_command)
 
 
@@ -309,16 +310,18 @@ class Run:
         self._watch_losses(int(step), scalars)
 
     def _watch_losses(self, step: int, scalars: dict[str, Any]) -> None:
-        """Warn once per run when a loss grows by LOSS_GROWTH over its first logged size: a
-        learning rate far too high often shows there long before anything turns non-finite."""
+        """Warn once per run when a loss grows by LOSS_GROWTH over its first logged size (at
+        least 1) or passes LOSS_LIMIT: a learning rate far too high shows there long before
+        anything turns non-finite, sometimes already in the first row."""
         for key, value in scalars.items():
             if not key.endswith("loss") or not isinstance(value, (int, float)) or not math.isfinite(value):
                 continue
-            baseline = self._loss_baseline.setdefault(key, max(abs(value), 1.0))
-            if abs(value) > LOSS_GROWTH * baseline and not self._warned_growth:
-                self._warned_growth = True
-                print(f"warning: {key} grew to {value:.3g} at step {step} (first logged about {baseline:.3g}); "
-                      "training may be diverging: a lower learning rate usually helps", file=sys.stderr, flush=True)
+            first = self._loss_baseline.setdefault(key, value)
+            if self._warned_growth or abs(value) <= min(LOSS_GROWTH * max(abs(first), 1.0), LOSS_LIMIT):
+                continue
+            self._warned_growth = True
+            print(f"warning: {key} is {value:.3g} at step {step} (first logged: {first:.3g}); training may be "
+                  "diverging: a lower learning rate usually helps", file=sys.stderr, flush=True)
 
     def read_metrics(self) -> list[dict[str, Any]]:
         return read_metrics(self.path)

@@ -165,7 +165,11 @@ def test_a_loss_growing_by_orders_of_magnitude_warns_once(tmp_path, capsys):
         run.log(step, {"train/value_loss": loss})
     run.close()
     err = capsys.readouterr().err
-    assert err.count("warning:") == 1 and "train/value_loss grew to 3e+04 at step 2" in err
+    assert err.count("warning:") == 1 and "train/value_loss is 3e+04 at step 2 (first logged: 0.5)" in err
+    run = Run(tmp_path / "exploded_at_once")  # a learning rate so high that the first row is already huge
+    run.log(1, {"train/value_loss": 1.5e13})
+    run.close()
+    assert "train/value_loss is 1.5e+13 at step 1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["collect", "pretrain"])
