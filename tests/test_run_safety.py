@@ -198,3 +198,8 @@ def test_finetune_and_eval_write_a_report(checkpoints, tmp_path, capsys):  # noq
                  f"run_dir={tmp_path / 'eval'}"]) == 0
     report = (tmp_path / "eval" / "report.md").read_text()
     assert report.startswith("# Evaluation: reach") and "](videos/episode_0.mp4)" in report and "- eval s: " in report
+
+
+def test_collect_and_eval_print_progress_lines_with_their_success(tmp_path, capsys):
+    assert main(["collect", "task=reach", "demos=2", "num_envs=2", f"run_dir={tmp_path / 'collect'}"]) == 0
+    assert "[collect] 2/2 (100%) expert_success=" in capsys.readouterr().err  # stderr is no terminal here

@@ -126,6 +126,7 @@ def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_
                 episode = {key: np.stack(value) for key, value in buffers[i].items() if value}
                 episode["success"] = success
                 kept.append(episode)
+                bar.set_postfix(expert_success=f"{100 * successes / attempted:.0f}%")
                 bar.update(1)
             buffers[i] = empty()
         expert.reset(done)

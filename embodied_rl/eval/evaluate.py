@@ -94,6 +94,9 @@ def evaluate(
                 video_dir=video_dir, video_size=video_size, fps=fps, bar=bar,
             )
             per_episode.extend(records)
+            if bar is not None and has_success:
+                rate = sum(bool(r["success"]) for r in per_episode) / len(per_episode)
+                bar.set_postfix(success=f"{100 * rate:.0f}%")
     finally:
         if bar is not None:
             bar.close()
