@@ -53,7 +53,7 @@ def test_every_on_policy_algorithm_runs_end_to_end(algo, policy, extra, checkpoi
                  "eval_every=100", f"run_dir={run_dir}", *TINY, *extra])
     assert code == 0, capsys.readouterr().err
     out = capsys.readouterr().out
-    assert "success_rate" in out and str(run_dir) in out
+    assert "success: " in out and " -> " in out and str(run_dir) in out  # before -> after
     rows = metrics(run_dir)
     train = [r for r in rows if "train/iteration" in r]
     assert train and all(r["train/first_minibatch_ratio_dev"] < 1e-5 for r in train if "train/first_minibatch_ratio_dev" in r)

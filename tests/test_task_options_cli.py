@@ -81,7 +81,7 @@ def test_quickstart_hands_the_task_keys_to_its_stages(monkeypatch, tmp_path):
     class Stop(Exception):
         pass
 
-    def first_stage(command, module, overrides, run_dir, done, resumable=False):
+    def first_stage(command, module, overrides, run_dir, resumable=False):
         raise Stop(overrides)
 
     monkeypatch.setattr(quickstart, "run_stage", first_stage)

@@ -137,7 +137,7 @@ def test_finetune_recap_then_eval(checkpoints, tmp_path, capsys):  # noqa: F811
     capsys.readouterr()
     assert main(["eval", "task=reach", f"checkpoint={last}", f"run_dir={tmp_path / 'eval'}", "episodes=4",
                  "num_envs=4", "videos=0"]) == 0
-    assert "4 episodes" in capsys.readouterr().out
+    assert "n_episodes: 4" in capsys.readouterr().out
 
 
 def test_recap_without_demos_is_refused(tmp_path, capsys):
