@@ -28,7 +28,6 @@ from omegaconf import DictConfig, OmegaConf
 from embodied_rl.errors import UserError
 from embodied_rl.runs import is_done
 
-
 PRETRAIN_CHECKPOINT_EVERY = 500  # gradient steps (push_t's 3000 take about 2.5 minutes on one thread)
 
 
