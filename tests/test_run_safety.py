@@ -203,3 +203,19 @@ def test_finetune_and_eval_write_a_report(checkpoints, tmp_path, capsys):  # noq
 def test_collect_and_eval_print_progress_lines_with_their_success(tmp_path, capsys):
     assert main(["collect", "task=reach", "demos=2", "num_envs=2", f"run_dir={tmp_path / 'collect'}"]) == 0
     assert "[collect] 2/2 (100%) expert_success=" in capsys.readouterr().err  # stderr is no terminal here
+
+
+def test_a_checkpoint_with_non_finite_weights_is_refused(checkpoints, tmp_path, capsys):  # noqa: F811
+    from safetensors.torch import save_file
+
+    broken = tmp_path / "nan"
+    shutil.copytree(checkpoints / "flow", broken)
+    weights = load_file(broken / "model.safetensors")
+    name = next(iter(weights))
+    weights[name] = torch.full_like(weights[name], float("nan"))
+    save_file(weights, broken / "model.safetensors")
+    for command in (["eval", "episodes=2"], ["finetune", *RESIDUAL, "env_steps=32"]):
+        assert main([*command, "task=reach", f"checkpoint={broken}", f"run_dir={tmp_path / command[0]}"]) == 2
+        err = capsys.readouterr().err
+        assert f"checkpoint '{broken}' holds non-finite weights" in err and one_line(err)
+        assert not (tmp_path / command[0]).exists()

@@ -407,6 +407,21 @@ def refuse_non_finite(where: str, saved: str | None, **states: Any) -> None:
         raise diverged(where, bad, saved)
 
 
+def refuse_non_finite_checkpoint(path: Any, *holders: Any) -> None:
+    """A UserError when a network loaded from checkpoint `path` (an nn.Module among `holders`
+    or their attributes: a policy, an agent) holds a non-finite weight: scoring or fine-tuning it
+    would report nonsense. (This package never writes one: `refuse_non_finite`.)"""
+    from torch import nn
+
+    modules = {}
+    for index, holder in enumerate(holders):
+        found = [holder] if isinstance(holder, nn.Module) else [
+            value for value in vars(holder).values() if isinstance(value, nn.Module)]
+        modules.update({f"{index}.{i}": module.state_dict() for i, module in enumerate(found)})
+    if first_non_finite(modules) is not None:
+        raise UserError(f"checkpoint '{path}' holds non-finite weights; it cannot be used")
+
+
 def first_non_finite(tensors: dict[str, Any]) -> str | None:
     """The name of the first floating tensor (nested dicts and lists searched) that is not finite."""
     stack = list(tensors.items())

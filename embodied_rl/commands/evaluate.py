@@ -185,6 +185,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         return evaluate.main(cfg)
     refuse_lm_checkpoint(cfg)
     from embodied_rl.actors import AGENT_FILE, BASE_POLICY, load_agent, resolve_checkpoint
+    from embodied_rl.algos.common import refuse_non_finite_checkpoint
 
     checkpoint = resolve_checkpoint(validate(cfg))  # a run directory stands for its checkpoints/last
 
@@ -220,6 +221,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         agent = load_agent(checkpoint, num_envs, str(cfg.device))
     else:
         agent = PolicyRunner(policy, num_envs)  # evaluate() reseeds its generator every round
+    refuse_non_finite_checkpoint(checkpoint, policy, agent)
     if cfg.get("instruction") is not None:
         agent = read_instruction(agent, str(cfg.instruction))
     if cfg.get("instruction_shuffle"):

@@ -92,6 +92,9 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     refuse_lm_checkpoint(cfg)
     checkpoint = validate(cfg)
     policy = load_base_policy(checkpoint, str(cfg.device))
+    from embodied_rl.algos.common import refuse_non_finite_checkpoint
+
+    refuse_non_finite_checkpoint(checkpoint, policy)
     from embodied_rl.commands import check_previous_run, checkpoint_task, start_run
 
     checkpoint_task(policy, checkpoint, cfg.task.name)

@@ -88,6 +88,9 @@ def load_model(path: str | Path, device: str = "cpu") -> tuple[Any, Any]:
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as error:  # a damaged file
         raise UserError(f"cannot load model '{path}': {type(error).__name__}: {str(error).splitlines()[0]}") from None
+    from embodied_rl.algos.common import refuse_non_finite_checkpoint
+
+    refuse_non_finite_checkpoint(path, model)
     if tokenizer.eos_token_id is None:
         raise UserError(f"the tokenizer of '{path}' has no end-of-sequence token")
     if tokenizer.pad_token_id is None:  # batching needs one; the mask hides it anyway
