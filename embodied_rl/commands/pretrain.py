@@ -172,8 +172,9 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     run = start_run(cfg, "pretrain", allow_existing=True)
     resume = newest_resumable(run.file("checkpoints"))
     if resume is not None:
-        print(f"resuming from step {resume['step']} of {steps}")
-        run.forget_metrics_after(resume["step"])  # the steps after the checkpoint are redone
+        if distributed.is_main():
+            print(f"resuming from step {resume['step']} of {steps}")
+        run.forget_metrics_after(resume["step"])  # the steps after the checkpoint are redone (rank 0 writes)
 
     env = None
     final_eval: dict[str, Any] = {}
