@@ -176,6 +176,28 @@ def test_pretrain_on_two_ranks(tmp_path):
     assert (tmp_path / "bc" / "checkpoints" / "last" / "model.safetensors").exists()
 
 
+def test_pretrain_on_two_ranks_resumes_exactly(tmp_path):
+    import shutil
+
+    from embodied_rl.cli import main
+
+    assert main(["collect", "task=reach", "demos=4", f"run_dir={tmp_path / 'demos'}"]) == 0
+    args = ["pretrain", "task=reach", f"data={tmp_path / 'demos' / 'demos.zarr'}", "policy=flow", "steps=20",
+            "eval_every=10", "log_every=10", "eval_episodes=0", "videos=0", "batch_size=32",
+            "policy.mlp.hidden_dim=32", "policy.mlp.num_blocks=1"]
+    for name in ("whole", "parts"):
+        done = torchrun(*args, f"run_dir={tmp_path / name}")
+        assert done.returncode == 0, done.stderr[-3000:]
+    parts = tmp_path / "parts"
+    for name in ("20", "last"):  # stopped before step 20's checkpoint: each rank's RNGs come back from step 10
+        shutil.rmtree(parts / "checkpoints" / name)
+    resumed = torchrun(*args, f"run_dir={parts}")
+    assert resumed.returncode == 0 and resumed.stdout.count("resuming from step 10 of 20") == 1, resumed.stderr[-3000:]
+    for name in ("model.safetensors", "training_state/model.safetensors"):
+        a, b = (load_file(str(tmp_path / run / "checkpoints" / "last" / name)) for run in ("whole", "parts"))
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
 def test_commands_that_run_in_one_process_refuse_torchrun(bc, tmp_path):
     done = torchrun("eval", "task=reach", f"checkpoint={bc / 'flow'}", "episodes=2", f"run_dir={tmp_path / 'e'}")
     assert done.returncode != 0 and "'eval' runs in one process" in done.stderr
