@@ -393,6 +393,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
             except Diverged as error:  # it names the quantity; the step and the checkpoint are known here
                 raise diverged(f"step {step + 1}", str(error), saved) from None
             step += 1
+            bar.set_postfix(reward=f"{metrics['train/reward']:.3f}")
             bar.update(1)
             window.append(metrics)
             if step % config.log_every == 0 or step == config.steps:

@@ -157,7 +157,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     info: dict[str, Any] = {}
     saved: str | None = None  # the step checkpoints/last holds, for the divergence message
     try:
-        for step in progress(range(1, steps + 1), total=steps, desc="pretrain"):
+        bar = progress(range(1, steps + 1), total=steps, desc="pretrain")
+        for step in bar:
             ids, mask, labels = training_batch(tokenizer, [next(stream) for _ in range(batch_size)])
             loss = answer_loss(model, ids.to(device), mask.to(device), labels.to(device))
             if not torch.isfinite(loss):
@@ -176,6 +177,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
                 final_loss = sum(window_loss) / len(window_loss)
                 run.log(step, {"train/loss": final_loss, "train/lr": scheduler.get_last_lr()[0],
                                "train/grad_norm": float(grad_norm), "train/tokens_per_s": window_tokens / elapsed})
+                bar.set_postfix(loss=f"{final_loss:.4f}")
                 window_loss, window_tokens, window_start = [], 0, time.perf_counter()
             if step == steps or (cfg.eval_every and step % cfg.eval_every == 0):
                 refuse_non_finite(f"step {step}", saved, weights=model.state_dict())
