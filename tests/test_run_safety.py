@@ -219,3 +219,13 @@ def test_a_checkpoint_with_non_finite_weights_is_refused(checkpoints, tmp_path, 
         err = capsys.readouterr().err
         assert f"checkpoint '{broken}' holds non-finite weights" in err and one_line(err)
         assert not (tmp_path / command[0]).exists()
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_its_curve_over(toy_data, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run"
+    args = ["pretrain", "task=reach", f"data={toy_data}", "steps=10", "eval_episodes=0", f"run_dir={run_dir}", *BC_TINY]
+    assert main(args) == 0
+    shutil.rmtree(run_dir / "checkpoints")  # as if killed after logging, before the first checkpoint
+    (run_dir / "done.json").unlink()
+    assert main(args) == 0
+    assert [row["step"] for row in read_metrics(run_dir) if "train/loss" in row] == [5, 10]

@@ -520,7 +520,8 @@ class FinetuneLoop:
             elif (state_dir / REPLAY).exists() and distributed.is_main():
                 loop_state["replay"] = torch.load(state_dir / REPLAY, weights_only=True)
             self.resumed_from = path
-            self.run.forget_metrics_after(self.env_steps)  # the steps after the checkpoint are redone
+        # the steps after the checkpoint are redone; a run stopped before its first checkpoint starts over
+        self.run.forget_metrics_after(self.env_steps if path is not None else -1)
         self.evaluator = Evaluator(self.cfg, self.run, counters=self.counters, env_options=self.env_options)
         if path is not None and distributed.is_main():
             self.evaluator.recall(self.env_steps)

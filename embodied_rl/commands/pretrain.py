@@ -171,10 +171,10 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     distributed.check_on_main(lambda: check_previous_run(cfg, "pretrain", RESUME_MAY_CHANGE))
     run = start_run(cfg, "pretrain", allow_existing=True)
     resume = newest_resumable(run.file("checkpoints"))
-    if resume is not None:
-        if distributed.is_main():
-            print(f"resuming from step {resume['step']} of {steps}")
-        run.forget_metrics_after(resume["step"])  # the steps after the checkpoint are redone (rank 0 writes)
+    if resume is not None and distributed.is_main():
+        print(f"resuming from step {resume['step']} of {steps}")
+    # the steps after the checkpoint are redone; a run stopped before its first checkpoint starts over
+    run.forget_metrics_after(resume["step"] if resume is not None else -1)
 
     env = None
     final_eval: dict[str, Any] = {}

@@ -349,7 +349,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         set_rng_state(state["rng"])
         step, problems_drawn = int(state["step"]), int(state["problems_drawn"])
         saved = f"step {step}"
-        run.forget_metrics_after(step)  # the steps after the checkpoint are redone
+    # the steps after the checkpoint are redone; a run stopped before its first checkpoint starts over
+    run.forget_metrics_after(step if found is not None else -1)
     stream = task.stream("train", int(cfg.seed))
     for _ in range(problems_drawn):  # the problems earlier iterations drew
         next(stream)
