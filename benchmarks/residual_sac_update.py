@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from embodied_rl.algos.sac import ResidualOffPolicyConfig, ResidualSAC
+from embodied_rl.algos.residual_offpolicy import ResidualOffPolicyConfig, ResidualOffPolicyLearner
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "algo" / "residual_offpolicy.yaml"
 
@@ -30,7 +30,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "algo" / "residual_of
 def ms_per_update(ensemble: int, width: int, args: argparse.Namespace) -> float:
     algo = OmegaConf.merge(OmegaConf.load(CONFIG), {"ensemble": ensemble, "critic_hidden_sizes": [width, width]})
     device = torch.device(args.device)
-    learner = ResidualSAC(ResidualOffPolicyConfig.from_cfg(algo), args.obs_dim, args.action_dim, device, seed=0)
+    learner = ResidualOffPolicyLearner(ResidualOffPolicyConfig.from_cfg(algo), args.obs_dim, args.action_dim, device, seed=0)
     batch_size = int(algo.batch_size)
     generator = torch.Generator().manual_seed(0)
 

@@ -92,9 +92,11 @@ class ResidualAgent:
 
 
 def make_residual_net(config: dict[str, Any]) -> ResidualPolicyNet:
-    """The network a residual_offpolicy checkpoint's config describes ("actor": sac | td3)."""
+    """The network a residual_offpolicy checkpoint's config describes ("learner": sac | td3;
+    checkpoints written before the key was renamed call it "actor")."""
+    learner = config["learner"] if "learner" in config else config["actor"]
     return ResidualPolicyNet(config["obs_dim"], config["action_dim"], list(config["hidden_sizes"]),
-                             config["residual_scale"], stochastic=config["actor"] == "sac")
+                             config["residual_scale"], stochastic=learner == "sac")
 
 
 def residual_tensors(net: ResidualPolicyNet, critic: nn.Module) -> dict[str, Tensor]:

@@ -10,6 +10,10 @@ Triggers (`algo.intervention_trigger`):
 - `random`: each step, an env not already driven starts an intervention with probability `prob`.
 The counters restart with every episode. `state_dict()` holds every counter and the random
 trigger's generator, so a resumed run triggers exactly as the uninterrupted one.
+
+`ExpertTakeover` is what a training loop calls: `act` (the expert's action where it drives),
+`after_step`, `metrics` for the logging window and `state_dict` for the checkpoint. Built without
+an expert (`algo.interventions=none`) it never takes over and logs nothing.
 """
 
 from __future__ import annotations
@@ -66,6 +70,69 @@ class InterventionSchedule:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.remaining, self.best, self.stalled = state["remaining"].clone(), state["best"].clone(), state["stalled"].clone()
         self.generator.set_state(state["generator"])
+
+
+class ExpertTakeover:
+    """The task's scripted expert taking over envs where the schedule fires, and the logging
+    window's `train/intervention_rate` (the share of env steps the expert drove) and
+    `rollout/success_rate_unassisted` (the successes of episodes it never touched)."""
+
+    def __init__(self, num_envs: int, schedule: InterventionSchedule | None = None, expert: Any = None):
+        self.schedule, self.expert = schedule, expert
+        self.driven = torch.zeros(num_envs, dtype=torch.bool)    # the envs the expert drives this step
+        self.assisted = torch.zeros(num_envs, dtype=torch.bool)  # episodes it drove at least one step of
+        self.driven_steps = self.window_steps = 0
+        self.unassisted: list[float] = []  # successes of episodes without interventions, this window
+
+    def act(self, obs: Any, action: Tensor) -> Tensor:
+        """Before the env step: `action` with the expert's where it drives (`self.driven`)."""
+        self.window_steps += len(action)
+        if self.schedule is None:
+            return action
+        self.driven, starting = self.schedule.begin()
+        if bool(starting.any()):  # a takeover plans afresh from the env's current state
+            self.expert.reset(starting)
+        if bool(self.driven.any()):
+            action = torch.where(self.driven[:, None].to(action.device), self.expert.act(obs).to(action), action)
+        self.assisted |= self.driven
+        self.driven_steps += int(self.driven.sum())
+        return action
+
+    def after_step(self, reward: Tensor, done: Tensor, info: dict[str, Any]) -> None:
+        if self.schedule is None:
+            return
+        self.schedule.after_step(reward, done)
+        ended = info["_episode"].cpu()
+        self.unassisted += info["episode"]["success_once"].cpu()[ended & ~self.assisted].float().tolist()
+        self.assisted &= ~done.cpu()
+
+    def metrics(self) -> dict[str, float]:
+        if self.schedule is None:
+            return {}
+        row = {"train/intervention_rate": self.driven_steps / max(1, self.window_steps)}
+        if self.unassisted:
+            row["rollout/success_rate_unassisted"] = sum(self.unassisted) / len(self.unassisted)
+        return row
+
+    def window_logged(self) -> None:
+        """A metrics row was written: the next logging window starts."""
+        self.driven_steps = self.window_steps = 0
+        self.unassisted = []
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.schedule is None:
+            return {}
+        return {"interventions": self.schedule.state_dict(), "expert": expert_state(self.expert),
+                "assisted": self.assisted, "unassisted": torch.tensor(self.unassisted, dtype=torch.float64),
+                "intervention_window": torch.tensor([self.driven_steps, self.window_steps])}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        if self.schedule is None:
+            return
+        self.schedule.load_state_dict(saved["interventions"])
+        load_expert_state(self.expert, saved["expert"])
+        self.assisted, self.unassisted = saved["assisted"], saved["unassisted"].tolist()
+        self.driven_steps, self.window_steps = (int(x) for x in saved["intervention_window"])
 
 
 def expert_state(expert: Any) -> dict[str, Any]:

@@ -18,7 +18,7 @@ The MDP step is the executed action chunk a_{t:t+h} (h = n_action_steps of the b
   data, `utd_ratio` gradient steps per collected chunk transition.
 
 Rewards (algo.reward, auto = the task's success where it has one), chunk transitions from the
-env and from the demos: algos/chunks.py, shared with SAC Flow.
+env (algos/chunks.py, shared with SAC Flow) and from the demos (algos/offpolicy.py).
 
 `finetune(cfg, run, env, policy)` is `embodied-rl finetune algo=qc_fql`; configs/algo/qc_fql.yaml.
 """
@@ -41,17 +41,16 @@ from embodied_rl.actors.qc_fql import (
     make_one_step,
     one_step_config,
 )
-from embodied_rl.algos.chunks import (
-    FIELDS,
-    ChunkCritic,
-    ChunkReplay,
-    ChunkRollout,
-    demo_chunk_transitions,
-    normalised_q,
-    restore_generators,
-)
+from embodied_rl.algos.chunks import ChunkOffPolicy
 from embodied_rl.algos.common import FinetuneLoop, reward_settings
-from embodied_rl.algos.sac import find_demo_path, random_pair_min
+from embodied_rl.algos.offpolicy import (
+    QEnsemble,
+    demo_chunk_transitions,
+    load_demos,
+    normalised_q,
+    polyak,
+    random_pair_min,
+)
 from embodied_rl.errors import UserError
 from embodied_rl.policies.runner import executed_actions
 
@@ -119,9 +118,9 @@ class QCFQL:
         self.algo, self.policy = algo, policy
         self.config = one_step_config(policy, algo.one_step, algo.hidden_sizes)
         self.actor = make_one_step(policy, self.config).to(device)
-        chunk_dim = int(policy.n_action_steps) * int(policy.action_dim)
-        self.critic = ChunkCritic(policy.cond_dim, chunk_dim, algo.hidden_sizes, algo.ensemble).to(device)
-        self.critic_target = ChunkCritic(policy.cond_dim, chunk_dim, algo.hidden_sizes, algo.ensemble).to(device)
+        critic_input = policy.cond_dim + int(policy.n_action_steps) * int(policy.action_dim)  # Q(cond, chunk)
+        self.critic = QEnsemble(critic_input, algo.hidden_sizes, algo.ensemble).to(device)
+        self.critic_target = QEnsemble(critic_input, algo.hidden_sizes, algo.ensemble).to(device)
         self.critic_target.load_state_dict(self.critic.state_dict())
         self.critic_target.requires_grad_(False)
         trainable = [p for p in self.actor.parameters() if p.requires_grad]
@@ -165,8 +164,7 @@ class QCFQL:
         self.actor_optimizer.zero_grad()
         actor_loss.backward()
         self.actor_optimizer.step()
-        with torch.no_grad():
-            torch._foreach_lerp_(list(self.critic_target.parameters()), list(self.critic.parameters()), algo.tau)
+        polyak(self.critic, self.critic_target, algo.tau)
         return {"train/critic_loss": critic_loss.item(), "train/q": q.mean().item(), "train/actor_loss": actor_loss.item(),
                 "train/distill_loss": distill.item()}
 
@@ -187,8 +185,6 @@ class QCFQL:
 
 
 def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
-    from embodied_rl.data.dataset import DemoDataset
-
     algo = QCFQLConfig.from_cfg(cfg.algo)
     if not hasattr(policy, "velocity"):
         raise UserError(f"algo=qc_fql distils a flow policy (policy=flow or vla); this checkpoint holds a {type(policy).__name__}")
@@ -200,25 +196,12 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     rewards = reward_settings(cfg)
     learner = QCFQL(algo, policy, device, seed)
     num_envs = int(env.num_envs)
-    chunk_shape = (int(policy.n_action_steps), int(policy.action_dim))
-    replay = ChunkReplay(algo.buffer_size, policy.cond_dim, chunk_shape, device)
-
-    demo_path = find_demo_path(cfg)
-    if demo_path is None:
+    dataset, success_terminates = load_demos(cfg, env)
+    if dataset is None:
         raise UserError("algo=qc_fql needs demonstrations: the BC checkpoint records none; pass algo.data=PATH")
-    task = getattr(env, "task", None)
-    demos = demo_chunk_transitions(DemoDataset.load(demo_path), policy, algo.gamma,
-                                   bool(getattr(task, "success_terminates", True)), rewards.sparse, device)
-    demo_generator = torch.Generator().manual_seed(seed + 1)
-    replay_generator = torch.Generator().manual_seed(seed + 2)
-    demo_batch = int(round(algo.batch_size * algo.demo_fraction))
-
-    def sample_batch() -> dict[str, Tensor]:
-        online = algo.batch_size - demo_batch if replay.size > 0 else 0
-        parts = [replay.sample(online, replay_generator)] if online else []
-        idx = torch.randint(0, len(demos["cond"]), (algo.batch_size - online,), generator=demo_generator)
-        parts.append({k: v[idx.to(v.device)] for k, v in demos.items()})
-        return {k: torch.cat([p[k] for p in parts]) for k in FIELDS}
+    demos = demo_chunk_transitions(dataset, policy, algo.gamma, success_terminates, rewards.sparse, device)
+    act_generator = torch.Generator(device=policy.device).manual_seed(seed + 3)  # z of the rollouts
+    data = ChunkOffPolicy(env, policy, rewards, algo, demos, seed, device, act_generator)
 
     def write_agent(path: Path) -> None:
         tensors = {**{f"actor.{k}": v for k, v in learner.actor.tensors().items()},
@@ -235,44 +218,26 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     # ---- offline pre-training on the demos (skipped when a checkpoint holds it) ----
     stats: dict[str, float] = {}
     while loop.counters["offline_updates"] < algo.offline_updates:
-        stats = learner.update(sample_batch())
+        stats = learner.update(data.batches.sample())  # the replay is empty: every row is a demo
         loop.counters["offline_updates"] += 1
         loop.check_finite("train/critic_loss", stats["train/critic_loss"], stats)
     if saved is None and algo.offline_updates:
         loop.run.log(0, {f"offline/{k.removeprefix('train/')}": v for k, v in stats.items()})
 
-    # ---- the env, seen in chunks; the one-step policy acts on obs histories ----
-    rollout = ChunkRollout(env, policy, rewards, algo.gamma, device)
-    rollout.start(saved, seed + loop.env_steps)
-    act_generator = torch.Generator(device=policy.device).manual_seed(seed + 3)  # z of the rollouts
-    generators = {"demo_generator": demo_generator, "replay_generator": replay_generator, "act_generator": act_generator}
-    pending_updates = 0.0
-    if saved is not None:
-        if "replay" in saved:  # absent with save_replay=false: the resumed run refills it
-            replay.load_state_dict(saved["replay"])
-        restore_generators(saved, generators)
-        pending_updates = float(saved["pending_updates"])
+    # ---- online: the env, seen in chunks; the one-step policy acts on obs histories ----
+    data.start(saved, seed + loop.env_steps)
 
-    def loop_state() -> dict[str, Any]:
-        return {**rollout.state(), "replay": replay.state_dict(), "pending_updates": torch.tensor(pending_updates),
-                **{name: generator.get_state() for name, generator in generators.items()}}
+    def act(cond: Tensor) -> Tensor:
+        return learner.actor(cond, policy.initial_noise(num_envs, act_generator)).clamp(-1.0, 1.0)
 
     loop.start(f"finetune {algo.name}")
     while loop.env_steps < loop.total_env_steps:
-        with torch.no_grad():
-            cond = rollout.cond()
-            chunk = learner.actor(cond, policy.initial_noise(num_envs, act_generator)).clamp(-1.0, 1.0)
-            transition, info = rollout.step(cond, chunk)
-        replay.add(transition)
-        loop.advance(num_envs * chunk_shape[0], info)  # the batch steps every chunk step (envs.step_chunk)
-
-        pending_updates += algo.utd_ratio * num_envs
-        while pending_updates >= 1:
-            pending_updates -= 1
-            stats = learner.update(sample_batch())
+        info = data.collect(act)
+        loop.advance(num_envs * data.chunk_steps, info)  # the batch steps every chunk step (envs.step_chunk)
+        for batch in data.updates():
+            stats = learner.update(batch)
             for key in ("train/critic_loss", "train/actor_loss"):
                 loop.check_finite(key, stats[key], stats)
         loop.log(stats)
-        loop.boundary(loop_state)
-    return loop.finish(loop_state())
-
+        loop.boundary(data.state)
+    return loop.finish(data.state())

@@ -47,7 +47,7 @@ from embodied_rl.actors import save_agent
 from embodied_rl.actors.base import Critic
 from embodied_rl.actors.recap import AGENT_KIND, IndicatorEmbedding, RecapAgent
 from embodied_rl.algos.common import FinetuneLoop, env_snapshot, reward_settings, training_reward
-from embodied_rl.algos.sac import dataset_obs, find_demo_path
+from embodied_rl.algos.offpolicy import dataset_obs, find_demo_path
 from embodied_rl.errors import UserError
 from embodied_rl.policies.runner import index_obs, map_obs
 

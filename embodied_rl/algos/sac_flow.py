@@ -44,17 +44,17 @@ from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 from embodied_rl.actors.base import gaussian_logprob
-from embodied_rl.algos.chunks import (
-    FIELDS,
-    ChunkCritic,
-    ChunkReplay,
-    ChunkRollout,
-    demo_chunk_transitions,
-    normalised_q,
-    restore_generators,
-)
+from embodied_rl.algos.chunks import ChunkOffPolicy
 from embodied_rl.algos.common import FinetuneLoop, reward_settings
-from embodied_rl.algos.sac import find_demo_path, random_pair_min
+from embodied_rl.algos.offpolicy import (
+    QEnsemble,
+    demo_chunk_transitions,
+    find_demo_path,
+    load_demos,
+    normalised_q,
+    polyak,
+    random_pair_min,
+)
 from embodied_rl.errors import UserError
 from embodied_rl.policies import PolicyRunner
 from embodied_rl.policies.checkpoint import write_policy_files
@@ -163,9 +163,9 @@ class SACFlow:
     def __init__(self, algo: SACFlowConfig, policy: Any, device: torch.device, seed: int):
         self.algo, self.policy = algo, policy
         self.chain = FlowChain(policy, algo.noise_level).to(device)
-        chunk_dim = int(policy.n_action_steps) * int(policy.action_dim)
-        self.critic = ChunkCritic(policy.cond_dim, chunk_dim, algo.critic_hidden_sizes, algo.ensemble).to(device)
-        self.critic_target = ChunkCritic(policy.cond_dim, chunk_dim, algo.critic_hidden_sizes, algo.ensemble).to(device)
+        critic_input = policy.cond_dim + int(policy.n_action_steps) * int(policy.action_dim)  # Q(cond, chunk)
+        self.critic = QEnsemble(critic_input, algo.critic_hidden_sizes, algo.ensemble).to(device)
+        self.critic_target = QEnsemble(critic_input, algo.critic_hidden_sizes, algo.ensemble).to(device)
         self.critic_target.load_state_dict(self.critic.state_dict())
         self.critic_target.requires_grad_(False)
         self.log_alpha = torch.tensor(math.log(algo.alpha), device=device, requires_grad=True)
@@ -220,8 +220,7 @@ class SACFlow:
                 self.alpha_optimizer.zero_grad()
                 alpha_loss.backward()
                 self.alpha_optimizer.step()
-        with torch.no_grad():
-            torch._foreach_lerp_(list(self.critic_target.parameters()), list(self.critic.parameters()), algo.tau)
+        polyak(self.critic, self.critic_target, algo.tau)
         return stats
 
     def state_dict(self) -> dict[str, Any]:
@@ -239,8 +238,6 @@ class SACFlow:
 
 
 def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
-    from embodied_rl.data.dataset import DemoDataset
-
     algo = SACFlowConfig.from_cfg(cfg.algo)
     if not hasattr(policy, "sample_train_times"):
         raise UserError(f"algo=sac_flow fine-tunes a flow policy (policy=flow or vla); this checkpoint holds a "
@@ -253,28 +250,15 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     rewards = reward_settings(cfg)
     learner = SACFlow(algo, policy, device, seed)
     num_envs = int(env.num_envs)
-    chunk_shape = (int(policy.n_action_steps), int(policy.action_dim))
-    replay = ChunkReplay(algo.buffer_size, policy.cond_dim, chunk_shape, device)
     demos = None
     if algo.demo_fraction > 0:
-        demo_path = find_demo_path(cfg)
-        if demo_path is None:
+        dataset, success_terminates = load_demos(cfg, env)
+        if dataset is None:
             raise UserError("algo.demo_fraction > 0 needs demonstrations: the BC checkpoint records none; "
                             "pass algo.data=PATH or algo.demo_fraction=0")
-        task = getattr(env, "task", None)
-        demos = demo_chunk_transitions(DemoDataset.load(demo_path), policy, algo.gamma,
-                                       bool(getattr(task, "success_terminates", True)), rewards.sparse, device)
-    demo_batch = int(round(algo.batch_size * algo.demo_fraction)) if demos is not None else 0
-    demo_generator = torch.Generator().manual_seed(seed + 1)
-    replay_generator = torch.Generator().manual_seed(seed + 2)
+        demos = demo_chunk_transitions(dataset, policy, algo.gamma, success_terminates, rewards.sparse, device)
     act_generator = torch.Generator().manual_seed(seed + 3)
-
-    def sample_batch() -> dict[str, Tensor]:
-        parts = [replay.sample(algo.batch_size - demo_batch, replay_generator)]
-        if demo_batch:
-            idx = torch.randint(0, len(demos["cond"]), (demo_batch,), generator=demo_generator)
-            parts.append({k: v[idx.to(v.device)] for k, v in demos.items()})
-        return {k: torch.cat([p[k] for p in parts]) for k in FIELDS}
+    data = ChunkOffPolicy(env, policy, rewards, algo, demos, seed, device, act_generator)
 
     recorded = {"finetuned_from": str(cfg.checkpoint), "algo": algo.name}
     demo_path = find_demo_path(cfg)
@@ -289,37 +273,21 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
 
     loop = FinetuneLoop(cfg, run, make_agent, policy.env_options())
     saved = loop.resume({"learner": learner}, learner.optimizers(), write_agent)
-    rollout = ChunkRollout(env, policy, rewards, algo.gamma, device)
-    rollout.start(saved, seed + loop.env_steps)
-    generators = {"demo_generator": demo_generator, "replay_generator": replay_generator, "act_generator": act_generator}
-    pending_updates = 0.0
-    if saved is not None:
-        if "replay" in saved:  # absent with save_replay=false: the resumed run refills it
-            replay.load_state_dict(saved["replay"])
-        restore_generators(saved, generators)
-        pending_updates = float(saved["pending_updates"])
+    data.start(saved, seed + loop.env_steps)
 
-    def loop_state() -> dict[str, Any]:
-        return {**rollout.state(), "replay": replay.state_dict(), "pending_updates": torch.tensor(pending_updates),
-                **{name: generator.get_state() for name, generator in generators.items()}}
+    def act(cond: Tensor) -> Tensor:
+        return learner.chain.draw(cond, act_generator)[0]  # the stochastic chain explores
 
     stats: dict[str, float] = {}
     loop.start(f"finetune {algo.name}")
     while loop.env_steps < loop.total_env_steps:
-        with torch.no_grad():
-            cond = rollout.cond()
-            normalized, _ = learner.chain.draw(cond, act_generator)  # the stochastic chain explores
-            transition, info = rollout.step(cond, normalized)
-        replay.add(transition)
-        loop.advance(num_envs * chunk_shape[0], info)  # the batch steps every chunk step (envs.step_chunk)
-
-        pending_updates += algo.utd_ratio * num_envs
-        while pending_updates >= 1:
-            pending_updates -= 1
-            stats = learner.update(sample_batch(), update_actor=loop.env_steps > algo.critic_only_steps)
+        info = data.collect(act)
+        loop.advance(num_envs * data.chunk_steps, info)  # the batch steps every chunk step (envs.step_chunk)
+        for batch in data.updates():
+            stats = learner.update(batch, update_actor=loop.env_steps > algo.critic_only_steps)
             for key in ("train/critic_loss", "train/actor_loss"):
                 if key in stats:
                     loop.check_finite(key, stats[key], stats)
         loop.log(stats)
-        loop.boundary(loop_state)
-    return loop.finish(loop_state())
+        loop.boundary(data.state)
+    return loop.finish(data.state())

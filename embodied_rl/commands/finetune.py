@@ -27,9 +27,9 @@ ALGOS: dict[str, str] = {
     "fpo": "embodied_rl.algos.ppo",
     "dsrl": "embodied_rl.algos.dsrl",
     "dsrl_na": "embodied_rl.algos.dsrl",
-    "residual_offpolicy": "embodied_rl.algos.sac",
-    "residual_sac": "embodied_rl.algos.sac",  # the former name of residual_offpolicy, kept as an alias
-    "rlpd": "embodied_rl.algos.sac",
+    "residual_offpolicy": "embodied_rl.algos.residual_offpolicy",
+    "residual_sac": "embodied_rl.algos.residual_offpolicy",  # the former name of residual_offpolicy, kept as an alias
+    "rlpd": "embodied_rl.algos.residual_offpolicy",
     "recap": "embodied_rl.algos.recap",
     "qc_fql": "embodied_rl.algos.qc_fql",
     "sac_flow": "embodied_rl.algos.sac_flow",

@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from embodied_rl.algos.chunks import demo_chunk_transitions
+from embodied_rl.algos.offpolicy import demo_chunk_transitions
 from embodied_rl.algos.qc_fql import QCFQL, QCFQLConfig
 from embodied_rl.cli import compose, main
 from embodied_rl.data.dataset import DemoDataset, write_demos

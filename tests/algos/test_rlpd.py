@@ -1,4 +1,4 @@
-"""RLPD and expert interventions (algos/sac.py, algos/interventions.py): the preset, the triggers,
+"""RLPD and expert interventions (algos/residual_offpolicy.py, algos/interventions.py): the preset, the triggers,
 the intervened steps in the replay and the demo pool, and the CLI end to end."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from embodied_rl import envs
 from embodied_rl.algos.interventions import InterventionSchedule
-from embodied_rl.algos.sac import ResidualOffPolicyConfig, finetune, validate_config
+from embodied_rl.algos.residual_offpolicy import ResidualOffPolicyConfig, finetune, validate_config
 from embodied_rl.cli import compose, main
 from embodied_rl.errors import UserError
 from embodied_rl.runs import Run

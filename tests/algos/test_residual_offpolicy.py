@@ -12,13 +12,12 @@ from embodied_rl import envs
 from embodied_rl.actors import load_agent, load_agent_tensors
 from embodied_rl.actors.checkpoint import with_prefix
 from embodied_rl.actors.residual_offpolicy import ResidualAgent, ResidualPolicyNet
-from embodied_rl.algos.sac import (
+from embodied_rl.algos.offpolicy import demo_transitions, random_pair_min
+from embodied_rl.algos.residual_offpolicy import (
     ResidualOffPolicyConfig,
-    ResidualSAC,
-    demo_transitions,
+    ResidualOffPolicyLearner,
     finetune,
     nstep_returns,
-    random_pair_min,
 )
 from embodied_rl.cli import compose
 from embodied_rl.data.dataset import DemoDataset, write_demos
@@ -214,7 +213,7 @@ def test_residual_penalty_keeps_the_residual_small(tmp_path, actor):
     def mean_residual(penalty: float) -> float:
         torch.manual_seed(0)
         algo = sac_cfg(tmp_path, learner=actor, residual_penalty=penalty, policy_delay=1).algo
-        learner = ResidualSAC(ResidualOffPolicyConfig.from_cfg(algo), obs_dim=8, action_dim=2, device=torch.device("cpu"), seed=0)
+        learner = ResidualOffPolicyLearner(ResidualOffPolicyConfig.from_cfg(algo), obs_dim=8, action_dim=2, device=torch.device("cpu"), seed=0)
         gen = torch.Generator().manual_seed(0)
         batch = {"obs": torch.randn(32, 8, generator=gen), "base": torch.rand(32, 2, generator=gen) - 0.5,
                  "action": torch.rand(32, 2, generator=gen) - 0.5, "reward": torch.rand(32, generator=gen),
