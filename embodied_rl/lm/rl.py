@@ -41,7 +41,6 @@ from embodied_rl.core.losses import KL_KINDS
 from embodied_rl.errors import Diverged, UserError
 from embodied_rl.lm.sampling import Samples, decode_completions, encode_prompt, left_pad, sample
 
-ALGOS = ("grpo", "rloo", "reinforce_pp", "ppo")
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 USED_KEYS = ("checkpoint", "seed", "device", "threads", "run_dir", "algo")
 # keys a resumed run may change: how long it runs and what it records, not what it trains
@@ -109,8 +108,8 @@ class RLConfig:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < low or (strict and value == low):
                 raise UserError(f"lm.rl.{name} must be a number {'>' if strict else '>='} {low}, got {value!r}")
 
-        if self.algo not in ALGOS:
-            raise UserError(f"algo={self.algo} does not apply to language tasks (choose from: {', '.join(ALGOS)})")
+        if self.algo not in ADVANTAGES:
+            raise UserError(f"algo={self.algo} does not apply to language tasks (choose from: {', '.join(ADVANTAGES)})")
         for name, low in (("steps", 1), ("prompts", 1), ("group_size", 1), ("update_epochs", 1), ("minibatches", 1),
                           ("max_refills", 0), ("log_every", 1), ("eval_every", 0), ("eval_problems", 1),
                           ("checkpoint_every", 0)):
@@ -222,19 +221,37 @@ def informative_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     return (per_group.max(1).values - per_group.min(1).values) > 1e-6
 
 
+def group_relative(config: RLConfig, token_rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor,
+                   values: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+    """grpo / rloo: each row's score against its group's, broadcast over the row."""
+    valid = mask.to(token_rewards.dtype)
+    scores = (token_rewards * valid).sum(1)
+    advantages = core.group_advantages(scores, group_ids, method=config.algo, normalize_std=config.normalize_std)
+    return advantages[:, None] * valid, None
+
+
+def whitened_returns(config: RLConfig, token_rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor,
+                     values: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+    """reinforce_pp: discounted token returns, whitened over the batch."""
+    returns = core.discounted_returns(token_rewards, mask, config.gamma)
+    return core.masked_whiten(returns, mask) * mask.to(token_rewards.dtype), None
+
+
+def whitened_gae(config: RLConfig, token_rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor,
+                 values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ppo: GAE on the value model's values, whitened; and the returns its value loss fits."""
+    advantages, returns = core.masked_gae(token_rewards, values, mask, config.gamma, config.lam)
+    return core.masked_whiten(advantages, mask) * mask.to(token_rewards.dtype), returns
+
+
+# algo -> its advantage estimator; the keys are the language algorithms
+ADVANTAGES = {"grpo": group_relative, "rloo": group_relative, "reinforce_pp": whitened_returns, "ppo": whitened_gae}
+
+
 def compute_advantages(config: RLConfig, token_rewards: torch.Tensor, mask: torch.Tensor,
                        group_ids: torch.Tensor, values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(advantages [B, L] zero outside the mask, returns [B, L] for ppo's value loss or None)."""
-    valid = mask.to(token_rewards.dtype)
-    if config.algo in ("grpo", "rloo"):
-        scores = (token_rewards * valid).sum(1)
-        advantages = core.group_advantages(scores, group_ids, method=config.algo, normalize_std=config.normalize_std)
-        return advantages[:, None] * valid, None
-    if config.algo == "reinforce_pp":
-        returns = core.discounted_returns(token_rewards, mask, config.gamma)
-        return core.masked_whiten(returns, mask) * valid, None
-    advantages, returns = core.masked_gae(token_rewards, values, mask, config.gamma, config.lam)
-    return core.masked_whiten(advantages, mask) * valid, returns
+    return ADVANTAGES[config.algo](config, token_rewards, mask, group_ids, values)
 
 
 # ---------------------------------------------------------------------------------------------
