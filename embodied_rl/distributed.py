@@ -17,6 +17,7 @@ Backends: gloo on the CPU, nccl on CUDA. docs/scaling.md has the launch recipes.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -233,3 +234,19 @@ def check_in_sync(modules: dict[str, torch.nn.Module]) -> None:
     if any(p != prints[0] for p in prints[1:]):
         raise RuntimeError(f"the ranks' weights differ (rank {rank()}): gradients were not averaged "
                            "on every optimiser step")
+
+
+def check_device(device: Any) -> None:
+    """cpu, cuda or cuda:N, and CUDA only where torch can use it."""
+    device = str(device)
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise UserError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError(f"device={device} but torch cannot use CUDA here (no GPU or a CPU-only torch); "
+                            "use device=cpu")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise UserError(f"device={device} but this machine has {torch.cuda.device_count()} CUDA device(s)")

@@ -356,3 +356,65 @@ class Run:
         if self._lock is not None:
             self._lock.close()  # releases the flock
             self._lock = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Starting a command's run
+# ---------------------------------------------------------------------------------------------
+
+
+def start_run(cfg: Any, command: str, allow_existing: bool = False) -> Run:
+    """Create the run directory (run_dir=PATH or runs/<date>/<time>_<command>_<task>) and save
+    the resolved config in it. Under torchrun rank 0 does that, and the other ranks get a
+    follower Run of the same directory, which writes nothing."""
+    from omegaconf import OmegaConf
+
+    from embodied_rl import distributed
+
+    if not distributed.is_main():
+        return Run.follower(distributed.broadcast_object(None), command=command)
+    task = OmegaConf.select(cfg, "task.name", default=None)
+    path = Path(cfg.run_dir) if cfg.get("run_dir") else default_run_dir(command, task)
+    run = Run(path, command=command, allow_existing=allow_existing)
+    run.file(DONE_FILE).unlink(missing_ok=True)  # a finished run given more work is running again
+    run.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    distributed.broadcast_object(str(run.path))
+    return run
+
+
+def _flat_items(cfg: Any) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    def walk(node: Any, prefix: str) -> dict[str, Any]:
+        if isinstance(node, dict):
+            out: dict[str, Any] = {}
+            for key, value in node.items():
+                out.update(walk(value, f"{prefix}{key}."))
+            return out
+        return {prefix[:-1]: node}
+
+    return walk(OmegaConf.to_container(cfg, resolve=True), "")
+
+
+def check_previous_run(cfg: Any, command: str, may_change: tuple[str, ...]) -> None:
+    """A non-empty run_dir must hold an earlier `command` run with the same settings, except the
+    keys in `may_change` (how long it runs and what it records, not what it trains), so the run
+    resumes; its config.yaml is then rewritten, so it always tells what ran."""
+    from omegaconf import OmegaConf
+
+    if not cfg.get("run_dir"):
+        return
+    path = Path(str(cfg.run_dir))
+    if not path.is_dir() or not any(p.name != LOCK_FILE for p in path.iterdir()):
+        return
+    previous = path / "config.yaml"
+    if not previous.is_file():
+        raise UserError(f"run_dir '{path}' holds files but no {command} run; choose a new run_dir (nothing was overwritten)")
+    before, now = _flat_items(OmegaConf.load(previous)), _flat_items(cfg)
+    changed = sorted(key for key in before.keys() | now.keys()
+                     if before.get(key) != now.get(key) and key not in (*may_change, "threads", "run_dir"))
+    if changed:
+        shown = ", ".join(f"{key}={before.get(key)} -> {now.get(key)}" for key in changed[:3])
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        raise UserError(f"run_dir '{path}' holds a run with other settings ({shown}{more}); resume it with "
+                        f"the same settings (only {', '.join(may_change)} may change) or choose a new run_dir")

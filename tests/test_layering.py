@@ -29,3 +29,38 @@ def test_no_algorithm_imports_another():
         path = PACKAGE.parent / (module.replace(".", "/") + ".py")
         others = imported_modules(path) & (algorithms - {module})
         assert not others, f"{module} imports the algorithm(s) {sorted(others)}; share code through algos/common.py or algos/offpolicy.py"
+
+
+def layer_of(module: str) -> str:
+    """The package layer a module belongs to: its first name below embodied_rl (algos, lm, cli, ...)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def layer_graph() -> dict[str, set[str]]:
+    """layer -> the layers its modules import (lazy imports inside functions included)."""
+    layers = {p.stem for p in PACKAGE.iterdir() if (p.is_dir() and (p / "__init__.py").exists()) or p.suffix == ".py"}
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        source = layer_of(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
+        targets = {layer_of(module) for module in imported_modules(path)} & layers
+        graph.setdefault(source, set()).update(targets - {source, "__init__"})
+    return graph
+
+
+def test_no_import_cycle_between_layers():
+    graph = layer_graph()
+    for start in graph:  # a depth-first walk from every layer; a path back to it is a cycle
+        stack = [(start, [start])]
+        while stack:
+            layer, path = stack.pop()
+            for target in graph.get(layer, ()):
+                assert target != start, f"import cycle: {' -> '.join([*path, target])}"
+                if target not in path:
+                    stack.append((target, [*path, target]))
+
+
+def test_only_the_command_line_imports_the_commands():
+    for layer, targets in layer_graph().items():
+        if layer not in ("cli", "commands", "__main__"):
+            assert "commands" not in targets and "cli" not in targets, f"embodied_rl.{layer} imports the commands or the CLI"

@@ -6,14 +6,13 @@ sizes, device, backend, ...) and `checkpoint_task` (a checkpoint's task)."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from embodied_rl.errors import UserError
-from embodied_rl.runs import DONE_FILE, LOCK_FILE, Run, atomic_write_json, default_run_dir
+from embodied_rl.runs import DONE_FILE, LOCK_FILE, Run, atomic_write_json
 
 OBS_MODES = ("state", "pixels")
 
@@ -52,78 +51,11 @@ def _remove_if_unused(path: Path) -> None:
         path.parent.rmdir()
 
 
-def start_run(cfg: DictConfig, command: str, allow_existing: bool = False) -> Run:
-    """Create the run directory (run_dir=PATH or runs/<date>/<time>_<command>_<task>) and save
-    the resolved config in it. Under torchrun rank 0 does that, and the other ranks get a
-    follower Run of the same directory, which writes nothing."""
-    from embodied_rl import distributed
-
-    if not distributed.is_main():
-        return Run.follower(distributed.broadcast_object(None), command=command)
-    task = OmegaConf.select(cfg, "task.name", default=None)
-    path = Path(cfg.run_dir) if cfg.get("run_dir") else default_run_dir(command, task)
-    run = Run(path, command=command, allow_existing=allow_existing)
-    run.file(DONE_FILE).unlink(missing_ok=True)  # a finished run given more work is running again
-    run.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    distributed.broadcast_object(str(run.path))
-    return run
-
-
-def _flat_items(cfg: DictConfig) -> dict[str, Any]:
-    def walk(node: Any, prefix: str) -> dict[str, Any]:
-        if isinstance(node, dict):
-            out: dict[str, Any] = {}
-            for key, value in node.items():
-                out.update(walk(value, f"{prefix}{key}."))
-            return out
-        return {prefix[:-1]: node}
-
-    return walk(OmegaConf.to_container(cfg, resolve=True), "")
-
-
-def check_previous_run(cfg: DictConfig, command: str, may_change: tuple[str, ...]) -> None:
-    """A non-empty run_dir must hold an earlier `command` run with the same settings, except the
-    keys in `may_change` (how long it runs and what it records, not what it trains), so the run
-    resumes; its config.yaml is then rewritten, so it always tells what ran."""
-    if not cfg.get("run_dir"):
-        return
-    path = Path(str(cfg.run_dir))
-    if not path.is_dir() or not any(p.name != LOCK_FILE for p in path.iterdir()):
-        return
-    previous = path / "config.yaml"
-    if not previous.is_file():
-        raise UserError(f"run_dir '{path}' holds files but no {command} run; choose a new run_dir (nothing was overwritten)")
-    before, now = _flat_items(OmegaConf.load(previous)), _flat_items(cfg)
-    changed = sorted(key for key in before.keys() | now.keys()
-                     if before.get(key) != now.get(key) and key not in (*may_change, "threads", "run_dir"))
-    if changed:
-        shown = ", ".join(f"{key}={before.get(key)} -> {now.get(key)}" for key in changed[:3])
-        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
-        raise UserError(f"run_dir '{path}' holds a run with other settings ({shown}{more}); resume it with "
-                        f"the same settings (only {', '.join(may_change)} may change) or choose a new run_dir")
-
-
 def _integer(cfg: DictConfig, key: str, low: int) -> int:
     value = cfg[key]
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise UserError(f"{key} must be an integer >= {low}, got {value!r}")
     return value
-
-
-def check_device(device: Any) -> None:
-    """cpu, cuda or cuda:N, and CUDA only where torch can use it."""
-    device = str(device)
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        raise UserError(f"device must be cpu, cuda or cuda:N, got {device!r}")
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UserError(f"device={device} but torch cannot use CUDA here (no GPU or a CPU-only torch); "
-                            "use device=cpu")
-        index = int(device.partition(":")[2] or 0)
-        if index >= torch.cuda.device_count():
-            raise UserError(f"device={device} but this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def validate_common(cfg: DictConfig, min_eval_episodes: int = 1) -> None:
@@ -148,6 +80,8 @@ def validate_common(cfg: DictConfig, min_eval_episodes: int = 1) -> None:
         if episodes is not None and episodes[1] > 0 and videos > episodes[1]:
             raise UserError(f"videos must be in [0, {episodes[0]}={episodes[1]}], got {videos}")
     if "device" in cfg:
+        from embodied_rl.distributed import check_device
+
         check_device(cfg.device)
     if "backend" in cfg and cfg.backend is not None and cfg.backend not in BACKENDS:
         raise UserError(f"unknown backend {cfg.backend!r} (choose from: {', '.join(BACKENDS)})")

@@ -22,9 +22,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from embodied_rl.commands import start_run
 from embodied_rl.errors import UserError
-from embodied_rl.runs import progress
+from embodied_rl.runs import progress, start_run
 
 DEFAULT_NUM_ENVS = 16
 

@@ -191,7 +191,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
 
     finetuned = (checkpoint / AGENT_FILE).is_file()  # an RL checkpoint: its actor acts
     policy = load_checkpoint(checkpoint / BASE_POLICY if finetuned else checkpoint, str(cfg.device))
-    from embodied_rl.commands import checkpoint_task, start_run
+    from embodied_rl.commands import checkpoint_task
+    from embodied_rl.runs import start_run
 
     # without task=, the checkpoint's own task
     task = checkpoint_task(policy, checkpoint, OmegaConf.select(cfg, "task.name", default=None))

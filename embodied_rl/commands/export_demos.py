@@ -61,10 +61,10 @@ def control_rate(task: str | None) -> int:
 
 
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
-    from embodied_rl.commands import start_run
     from embodied_rl.data import DemoDataset
     from embodied_rl.data.lerobot import IMAGE_PREFIX, require_pyarrow, write_lerobot
     from embodied_rl.envs.registry import is_task, task_class
+    from embodied_rl.runs import start_run
 
     validate(cfg)
     require_pyarrow()

@@ -95,7 +95,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     from embodied_rl.algos.common import refuse_non_finite_checkpoint
 
     refuse_non_finite_checkpoint(checkpoint, policy)
-    from embodied_rl.commands import check_previous_run, checkpoint_task, start_run
+    from embodied_rl.commands import checkpoint_task
+    from embodied_rl.runs import check_previous_run, start_run
 
     checkpoint_task(policy, checkpoint, cfg.task.name)
 

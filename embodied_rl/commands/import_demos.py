@@ -81,10 +81,10 @@ def choose_instructions(mode: str, texts: list[str], task_instructions: list[str
 
 
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
-    from embodied_rl.commands import start_run
     from embodied_rl.data import write_demos
     from embodied_rl.data.lerobot import read_lerobot
     from embodied_rl.envs.registry import task_class
+    from embodied_rl.runs import start_run
 
     validate(cfg)
     started = time.perf_counter()

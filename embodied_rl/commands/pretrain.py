@@ -141,10 +141,10 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     import torch
 
     from embodied_rl.algos.bc import BCConfig, save_checkpoint, train_bc
-    from embodied_rl.commands import start_run
     from embodied_rl.data import ChunkWindows, DemoDataset
     from embodied_rl.envs import task_overrides
     from embodied_rl.envs.registry import resolve_backend
+    from embodied_rl.runs import start_run
 
     task = OmegaConf.select(cfg, "task.name", default=None)
     task_options = task_overrides(cfg.task)  # for the evaluation env
@@ -166,7 +166,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         seed=int(cfg.seed),
     )
     from embodied_rl import distributed
-    from embodied_rl.commands import check_previous_run
+    from embodied_rl.runs import check_previous_run
 
     distributed.check_on_main(lambda: check_previous_run(cfg, "pretrain", RESUME_MAY_CHANGE))
     run = start_run(cfg, "pretrain", allow_existing=True)

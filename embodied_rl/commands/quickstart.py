@@ -35,8 +35,8 @@ def run_stage(command: str, module: str, overrides: list[str], run_dir: Path, re
     """Compose `command`'s config with `overrides` and run it in `run_dir`, unless its
     done.json shows it finished. An unfinished stage starts over (`resumable`: pretrain and
     finetune continue from their own checkpoints instead)."""
-    from embodied_rl.cli import compose
     from embodied_rl.commands import run_command
+    from embodied_rl.config import compose
 
     if is_done(run_dir):
         print(f"[quickstart] {command}: done already ({run_dir})")
@@ -77,7 +77,8 @@ def describe_progress(root: Path) -> str | None:
 
 
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
-    from embodied_rl.commands import start_run, validate_common
+    from embodied_rl.commands import validate_common
+    from embodied_rl.runs import start_run
 
     validate_common(cfg)
     for key in ("demos", "finetune_env_steps", "finetune_num_envs", "eval_episodes", "finetune_eval_episodes"):
@@ -96,7 +97,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
                 f"eval_episodes={cfg.finetune_eval_episodes}", "videos=0",
                 *cfg.finetune_overrides.get(cfg.finetune_algo, [])]
     from embodied_rl.algos.wsrl import check_actor_trains
-    from embodied_rl.cli import compose
+    from embodied_rl.config import compose
 
     check_actor_trains(compose("finetune", finetune))  # refused now, not after pretraining
 

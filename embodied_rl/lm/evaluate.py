@@ -107,7 +107,7 @@ def completions_markdown(shown: list[dict[str, Any]]) -> str:
 
 
 def validate(cfg: DictConfig) -> None:
-    from embodied_rl.commands import check_device
+    from embodied_rl.distributed import check_device
     from embodied_rl.lm import refuse_robot_keys
 
     refuse_robot_keys(cfg, "eval", USED_KEYS)
@@ -151,9 +151,9 @@ def check_checkpoint_task(path: Path, task_name: str) -> None:
 
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     validate(cfg)
-    from embodied_rl.commands import start_run
     from embodied_rl.lm.model import load_model
     from embodied_rl.lm.tasks import make_task
+    from embodied_rl.runs import start_run
 
     task = make_task(cfg.task)
     checkpoint = resolve_model_dir(Path(str(cfg.checkpoint)).expanduser())

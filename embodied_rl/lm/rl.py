@@ -260,7 +260,7 @@ def compute_advantages(config: RLConfig, token_rewards: torch.Tensor, mask: torc
 
 
 def validate(cfg: DictConfig) -> RLConfig:
-    from embodied_rl.commands import check_device
+    from embodied_rl.distributed import check_device
     from embodied_rl.lm import refuse_robot_keys
 
     refuse_robot_keys(cfg, "finetune", USED_KEYS)
@@ -279,7 +279,7 @@ def validate(cfg: DictConfig) -> RLConfig:
 def refuse_algo_keys(cfg: DictConfig) -> None:
     """The language algorithms read lm.rl; an algo.* key changed on the command line (the
     robot algorithm's settings) cannot be honoured."""
-    from embodied_rl.cli import compose
+    from embodied_rl.config import compose
 
     reference = compose("finetune", [f"task={cfg.task.name}", f"algo={cfg.algo.name}"]).algo
     for key, value in cfg.algo.items():
@@ -313,7 +313,6 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         refuse_non_finite,
         set_rng_state,
     )
-    from embodied_rl.commands import check_previous_run, start_run
     from embodied_rl.lm.evaluate import (
         check_checkpoint_task,
         evaluate_model,
@@ -324,7 +323,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     from embodied_rl.lm.model import context_length, load_model
     from embodied_rl.lm.sampling import check_fits
     from embodied_rl.lm.tasks import make_task
-    from embodied_rl.runs import progress
+    from embodied_rl.runs import check_previous_run, progress, start_run
 
     task = make_task(cfg.task)
     device = str(cfg.device)

@@ -39,7 +39,7 @@ def _integer(cfg: DictConfig, key: str, low: int, allow_none: bool = False) -> N
 
 
 def validate(cfg: DictConfig) -> None:
-    from embodied_rl.commands import check_device
+    from embodied_rl.distributed import check_device
     from embodied_rl.lm import refuse_robot_keys
     from embodied_rl.lm.evaluate import check_sampling_keys
 
@@ -110,11 +110,10 @@ def save_checkpoints(run: Any, step: int, model: Any, tokenizer: Any, task: dict
 
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     validate(cfg)
-    from embodied_rl.commands import start_run
     from embodied_rl.lm.evaluate import evaluate_model, format_overall, pass1_text
     from embodied_rl.lm.model import build_model, char_tokenizer, load_model, parameter_count
     from embodied_rl.lm.tasks import make_task
-    from embodied_rl.runs import progress
+    from embodied_rl.runs import progress, start_run
 
     task = make_task(cfg.task)
     torch.manual_seed(int(cfg.seed))
