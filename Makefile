@@ -1,10 +1,10 @@
-# Two commands from a fresh clone: `make demo` and `make test`.
+# Two commands from a fresh clone: `make demo` and `make test` (`make test-fast` while editing).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test test-fast lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,10 +20,17 @@ install: $(STAMP)
 demo: install
 	MUJOCO_GL=$${MUJOCO_GL:-egl} $(BIN)/embodied-rl quickstart
 
-# pytest exits 5 when it collected no tests: that is a failure, never a silent pass.
+# `make test` runs every test (what CI runs); `make test-fast` leaves out the end-to-end and slow
+# ones (pytest marks e2e, slow: pyproject.toml) for the edit-test loop. pytest exits 5 when it
+# collected no tests: that is a failure, never a silent pass.
+PYTEST = MUJOCO_GL=$${MUJOCO_GL:-egl} $(BIN)/python -m pytest -q -p no:cacheprovider
+NO_TESTS = status=$$?; if [ $$status -eq 5 ]; then echo "make $@: pytest collected no tests" >&2; fi; exit $$status
+
 test: install
-	MUJOCO_GL=$${MUJOCO_GL:-egl} $(BIN)/python -m pytest -q -p no:cacheprovider; \
-	status=$$?; if [ $$status -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$status
+	$(PYTEST); $(NO_TESTS)
+
+test-fast: install
+	$(PYTEST) -m "not e2e and not slow"; $(NO_TESTS)
 
 lint: install
 	$(BIN)/ruff check embodied_rl tests benchmarks scripts

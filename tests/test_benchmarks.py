@@ -6,7 +6,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
+
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 

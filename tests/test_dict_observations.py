@@ -112,6 +112,7 @@ def test_finetune_refuses_a_policy_trained_on_other_instructions(instructions, t
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.e2e
 def test_every_algorithm_fine_tunes_a_language_conditioned_policy(instructions, tmp_path, capsys):
     save_policy(tiny_policy(instructions), tmp_path / "bc")
     common = [f"task={TASK}", f"checkpoint={tmp_path / 'bc'}", "num_envs=4", "eval_every=0", "eval_episodes=4",
@@ -136,6 +137,7 @@ def test_every_algorithm_fine_tunes_a_language_conditioned_policy(instructions, 
                      f"run_dir={tmp_path / (name + '_eval')}"]) == 0, capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_collect_pretrain_finetune_keep_the_instruction(tmp_path, capsys):
     """Demos record each step's instruction, pretraining builds a language-conditioned policy from
     them, and the residual off-policy learner mixes those demos (with their instructions) in."""
@@ -168,6 +170,7 @@ def test_an_unknown_text_encoder_is_refused():
     ("dsrl", ["algo.hidden_sizes=[16,16]", "algo.batch_size=16", "algo.warmup_env_steps=16",
               "algo.critic_only_steps=0", "algo.utd_ratio=0.25"]),
 ])
+@pytest.mark.e2e
 def test_a_pixel_policy_fine_tunes_on_camera_observations(algo, extra, tmp_path, capsys):
     torch.manual_seed(0)
     policy = make_policy("flow", obs_dim=8, action_dim=2, n_obs_steps=2, horizon=4, n_action_steps=2,

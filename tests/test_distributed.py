@@ -20,6 +20,8 @@ from safetensors.torch import load_file
 from embodied_rl import core, distributed
 from embodied_rl.errors import UserError
 
+pytestmark = pytest.mark.e2e
+
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
             "--rdzv-endpoint=localhost:0"]
 

@@ -73,6 +73,7 @@ def run_eval(tmp_path, name, *overrides):
     return json.loads((run_dir / "eval_info.json").read_text()), run_dir
 
 
+@pytest.mark.e2e
 def test_eval_reach_end_to_end(tmp_path, reach_checkpoint, capsys):
     import imageio.v2 as imageio
 
@@ -101,6 +102,7 @@ def test_eval_reach_end_to_end(tmp_path, reach_checkpoint, capsys):
     assert info["config"]["episodes"] == 4
 
 
+@pytest.mark.e2e
 def test_eval_is_deterministic_videos_change_nothing_and_episodes_replay(tmp_path, reach_checkpoint):
     args = [f"checkpoint={reach_checkpoint}", "num_envs=3", "episodes=6", "seed=7"]
     first, run_dir = run_eval(tmp_path, "a", *args, "videos=0")  # task taken from the checkpoint
@@ -128,6 +130,7 @@ def test_eval_task_mismatch_exits_2(tmp_path, reach_checkpoint, capsys):
     assert not run_dir.exists()
 
 
+@pytest.mark.e2e
 def test_eval_reward_only_task(tmp_path, capsys):
     """hopper has no success test: success fields are null, the return interval stands in."""
     torch = pytest.importorskip("torch")

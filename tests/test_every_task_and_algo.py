@@ -9,6 +9,8 @@ import torch
 
 from embodied_rl.cli import main
 
+pytestmark = pytest.mark.e2e
+
 TASKS = ["push_t", "lift", "peg_insert"]
 ON_POLICY = {
     "residual_ppo": ["algo.num_steps=4", "algo.actor_kwargs.hidden=16"],

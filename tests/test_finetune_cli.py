@@ -47,6 +47,7 @@ def metrics(run_dir):
     ("flow_sde", "flow", ["algo.num_steps=8"]),
     ("grpo", "flow", ["algo.group_size=2"]),
 ])
+@pytest.mark.e2e
 def test_every_on_policy_algorithm_runs_end_to_end(algo, policy, extra, checkpoints, tmp_path, capsys):
     run_dir = tmp_path / "run"
     code = main(["finetune", f"algo={algo}", f"checkpoint={checkpoints / policy}", "env_steps=200",
@@ -69,6 +70,7 @@ def test_every_on_policy_algorithm_runs_end_to_end(algo, policy, extra, checkpoi
     assert code == 0, capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_a_stopped_run_resumes_and_its_step_counter_continues(checkpoints, tmp_path, capsys):
     run_dir = tmp_path / "run"
     common = ["algo=reinflow", f"checkpoint={checkpoints / 'flow'}", "eval_every=0", f"run_dir={run_dir}",

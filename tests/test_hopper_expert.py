@@ -43,6 +43,7 @@ def expert_policy(quality: float):
     return act
 
 
+@pytest.mark.e2e
 def test_shipped_expert_beats_zero_and_random_policies():
     generator = torch.Generator().manual_seed(0)
     expert = rollout_return(expert_policy(1.0))
@@ -52,6 +53,7 @@ def test_shipped_expert_beats_zero_and_random_policies():
     assert expert > 3 * max(zero, random) and expert > 600, (expert, zero, random)
 
 
+@pytest.mark.e2e
 def test_lower_quality_lowers_return():
     best = rollout_return(expert_policy(1.0))
     middle = rollout_return(expert_policy(0.5))
@@ -89,6 +91,7 @@ def hopper_demos(tmp_path_factory):
 
 
 @pytest.mark.parametrize("policy", ["diffusion", "flow", "shortcut"])
+@pytest.mark.e2e
 def test_collect_pretrain_eval_on_hopper(hopper_demos, tmp_path, policy):
     run_dir = tmp_path / "pretrain"
     code = main(["pretrain", "task=hopper", f"policy={policy}", f"data={hopper_demos}", "steps=4",

@@ -50,14 +50,20 @@ def layer_graph() -> dict[str, set[str]]:
 
 def test_no_import_cycle_between_layers():
     graph = layer_graph()
-    for start in graph:  # a depth-first walk from every layer; a path back to it is a cycle
-        stack = [(start, [start])]
-        while stack:
-            layer, path = stack.pop()
+    for start in graph:  # walk from every layer; reaching it again is a cycle
+        came_from: dict[str, str] = {}
+        frontier = [start]
+        while frontier:
+            layer = frontier.pop()
             for target in graph.get(layer, ()):
-                assert target != start, f"import cycle: {' -> '.join([*path, target])}"
-                if target not in path:
-                    stack.append((target, [*path, target]))
+                if target == start:
+                    path = [layer]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    raise AssertionError(f"import cycle: {' -> '.join([*reversed(path), start])}")
+                if target not in came_from:
+                    came_from[target] = layer
+                    frontier.append(target)
 
 
 def test_only_the_command_line_imports_the_commands():

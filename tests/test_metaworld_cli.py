@@ -10,6 +10,8 @@ import pytest
 
 from embodied_rl.cli import main
 
+pytestmark = pytest.mark.e2e
+
 pytest.importorskip("envpool")
 pytest.importorskip("metaworld.policies")
 

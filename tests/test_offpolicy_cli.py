@@ -40,6 +40,7 @@ def finetune_args(algo, checkpoint, run_dir, env_steps=240):
 
 
 @pytest.mark.parametrize("algo", ["dsrl", "dsrl_na", "residual_sac"])
+@pytest.mark.e2e
 def test_finetune_then_eval_end_to_end(tmp_path, capsys, bc_checkpoint, algo):
     run_dir = tmp_path / "ft"
     assert main(finetune_args(algo, bc_checkpoint, run_dir)) == 0
@@ -65,6 +66,7 @@ def test_finetune_then_eval_end_to_end(tmp_path, capsys, bc_checkpoint, algo):
 
 
 @pytest.mark.parametrize("algo", ["dsrl", "residual_sac"])
+@pytest.mark.e2e
 def test_resume_continues_the_run(tmp_path, bc_checkpoint, algo):
     run_dir = tmp_path / "ft"
     assert main(finetune_args(algo, bc_checkpoint, run_dir, env_steps=120)) == 0

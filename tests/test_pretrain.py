@@ -28,6 +28,7 @@ def toy_data(tmp_path_factory):
 
 
 @pytest.mark.parametrize("policy", ["diffusion", "shortcut"])
+@pytest.mark.e2e
 def test_pretrain_without_eval(toy_data, tmp_path, policy):
     run_dir = tmp_path / "run"
     code = main(["pretrain", "task=reach", f"policy={policy}", f"data={toy_data}", "steps=10",
@@ -66,6 +67,7 @@ def test_pretrain_requires_data(capsys):
     assert "data=PATH is required" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_pretrain_on_reach_with_eval(tmp_path, capsys):
     pytest.importorskip("embodied_rl.envs")
     pytest.importorskip("embodied_rl.eval.evaluate")

@@ -3,7 +3,11 @@
 import json
 import re
 
+import pytest
+
 from embodied_rl.cli import main
+
+pytestmark = pytest.mark.e2e
 
 # the shipped fine-tuner (residual TD3, what `make demo` runs), with stages short enough to reach actor updates
 TINY = ["task=reach", "demos=6", "pretrain_steps=20", "finetune_env_steps=200",

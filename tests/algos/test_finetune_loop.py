@@ -196,6 +196,7 @@ def test_every_algo_has_an_exact_resume_case():
 
 
 @pytest.mark.parametrize("algo,policy,extra", RESUME_CASES)
+@pytest.mark.e2e
 def test_a_resumed_run_continues_exactly_as_if_never_stopped(algo, policy, extra, checkpoints, tmp_path, capsys):  # noqa: F811
     on_policy = ALGOS[algo] == "embodied_rl.algos.ppo"
     tiny = TINY if on_policy else TINY[:-1]  # the off-policy presets have no actor_kwargs

@@ -124,6 +124,7 @@ TINY = ["task=reach", "num_envs=4", "eval_episodes=4", "videos=0", "log_every=1"
         "algo.batch_size=16", "algo.hidden_sizes=[16,16]"]
 
 
+@pytest.mark.e2e
 def test_finetune_then_eval_through_the_cli(checkpoints, tmp_path, capsys):
     run_dir = tmp_path / "run"
     code = main(["finetune", "algo=qc_fql", f"checkpoint={checkpoints / 'flow'}", "env_steps=96", "eval_every=48",
@@ -148,6 +149,7 @@ def test_finetune_then_eval_through_the_cli(checkpoints, tmp_path, capsys):
     assert any(not torch.equal(trained[k], base[k]) for k in trained)
 
 
+@pytest.mark.e2e
 def test_the_mlp_one_step_policy_runs_and_reloads(checkpoints, tmp_path, capsys):
     run_dir = tmp_path / "run"
     code = main(["finetune", "algo=qc_fql", "algo.one_step=mlp", f"checkpoint={checkpoints / 'flow'}",

@@ -125,6 +125,7 @@ def test_the_agent_acts_like_the_bc_runner_before_training(flow_policy):
 RECAP = ["algo=recap", "algo.rollout_steps=16", "algo.policy_updates=4", "algo.value_updates=4", "algo.batch_size=16"]
 
 
+@pytest.mark.e2e
 def test_finetune_recap_then_eval(checkpoints, tmp_path, capsys):  # noqa: F811
     run_dir = tmp_path / "ft"
     assert main(["finetune", f"checkpoint={checkpoints / 'flow'}", f"run_dir={run_dir}", "env_steps=128",

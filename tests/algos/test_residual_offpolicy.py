@@ -169,6 +169,7 @@ def last_layer(path):
 
 
 @pytest.mark.parametrize("actor", ["sac", "td3"])
+@pytest.mark.e2e
 def test_finetune_end_to_end_with_demos(tmp_path, actor):
     cfg = sac_cfg(tmp_path, learner=actor, demo_fraction=0.5, data=str(make_demos(tmp_path / "demos")),
                   warmup_env_steps=40, critic_only_steps=40)
@@ -196,6 +197,7 @@ def test_wsrl_stages_actor_unchanged_before_full_phase(tmp_path):
     assert not any("train/actor_loss" in row for row in rows)
 
 
+@pytest.mark.e2e
 def test_resume_continues_from_last_checkpoint(tmp_path):
     cfg = sac_cfg(tmp_path, warmup_env_steps=8, critic_only_steps=8)
     cfg.env_steps = 120

@@ -162,6 +162,7 @@ def test_without_interventions_the_demo_pool_gets_nothing(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_cli_rlpd_with_expert_interventions_then_eval(checkpoints, tmp_path, capsys):  # noqa: F811
     run_dir = tmp_path / "run"
     assert main(["finetune", "algo=rlpd", "task=reach", f"checkpoint={checkpoints / 'flow'}", f"run_dir={run_dir}",

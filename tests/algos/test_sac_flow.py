@@ -73,6 +73,7 @@ def test_the_actor_climbs_the_critic_but_stays_in_the_action_range():
     assert executed.mean() < 1.2 and executed.max() < 1.6  # and stayed at the edge of the range (+ noise)
 
 
+@pytest.mark.slow
 def test_action_reg_holds_the_chunk_near_the_base_policy():
     """The regulariser anchors the chain to the frozen base policy's chunk from the same noise:
     against a flat critic the fine-tuned chain stays on it; against a rising critic it climbs, the
@@ -137,6 +138,7 @@ def train_against_a_fixed_critic(algo, slope: float, stored: float) -> torch.Ten
     return chunk[:, 1:3]
 
 
+@pytest.mark.e2e
 def test_finetune_then_eval_through_the_cli(checkpoints, tmp_path, capsys):  # noqa: F811
     run_dir = tmp_path / "run"
     code = main(["finetune", "algo=sac_flow", f"checkpoint={checkpoints / 'flow'}", "task=reach", "num_envs=4",

@@ -108,6 +108,7 @@ def test_image_size_resizes_and_instructions_drop(collected, tmp_path):
     assert dataset.instruction is None and dataset.instructions == []
 
 
+@pytest.mark.e2e
 def test_state_dataset_round_trip_then_pretrain(tmp_path, capsys):
     """A reach dataset without pixels or instructions: exported, imported, and trained on."""
     rng = np.random.default_rng(0)

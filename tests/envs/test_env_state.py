@@ -103,6 +103,7 @@ def test_gymnasium_backend_cannot_snapshot():
     env.close()
 
 
+@pytest.mark.slow
 def test_warp_snapshot_continues_bit_for_bit():
     pytest.importorskip("mujoco_warp")
     check_continues_exactly(lambda: make("reach", num_envs=3, backend="mujoco_warp", device="cpu",

@@ -57,6 +57,7 @@ def test_same_step_auto_reset_and_time_limit():
     env.close()
 
 
+@pytest.mark.slow
 def test_seeds_partial_and_grouped_resets():
     env = envs.make("metaworld/reach", num_envs=4, seed=3)
     first, _ = env.reset(seed=11)

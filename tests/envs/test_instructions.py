@@ -230,6 +230,7 @@ def test_gymnasium_registration_gives_dict_observations():
     env.close()
 
 
+@pytest.mark.slow
 def test_mujoco_warp_matches_the_cpu_backend():
     pytest.importorskip("mujoco_warp")
     warp = make("reach_choice", num_envs=3, backend="mujoco_warp", device="cpu", seed=0,

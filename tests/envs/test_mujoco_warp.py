@@ -42,6 +42,7 @@ def test_reach_matches_the_cpu_backend():
     cpu_env.close()
 
 
+@pytest.mark.slow
 def test_push_t_matches_the_cpu_backend_through_contacts():
     # The pusher drives into the block: contact solving (iterative, float32 in Warp, float64 in
     # MuJoCo) amplifies rounding, measured at ~4e-4 after 10 steps (100 substeps). 2e-3 (2 mm,

@@ -239,6 +239,7 @@ def test_coverage_success_on_the_warp_backend():
 # ---------------------------------------------------------------- through the CLI
 
 
+@pytest.mark.e2e
 def test_collect_with_coverage_success(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["collect", "task=push_t", "task.success=coverage", "demos=2", "num_envs=2",

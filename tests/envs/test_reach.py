@@ -7,6 +7,7 @@ from pathlib import Path
 
 import gymnasium
 import numpy as np
+import pytest
 import torch
 from gymnasium.utils.env_checker import check_env
 
@@ -71,6 +72,7 @@ def test_gymnasium_render():
     env.close()
 
 
+@pytest.mark.slow
 def test_gymnasium_make_without_importing_first():
     code = (
         "import gymnasium; env = gymnasium.make('embodied_rl.envs:embodied_rl/Reach-v0'); "

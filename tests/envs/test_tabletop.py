@@ -149,6 +149,7 @@ def test_pixels_and_the_batched_renderer():
     env.close()
 
 
+@pytest.mark.e2e
 def test_collect_records_pixels_proprioception_and_seen_instructions(tmp_path, capsys):
     from embodied_rl.cli import main
     from embodied_rl.data import DemoDataset
@@ -179,6 +180,7 @@ def test_gymnasium_registration():
     env.close()
 
 
+@pytest.mark.slow
 def test_mujoco_warp_matches_the_cpu_backend():
     pytest.importorskip("mujoco_warp")
     warp_env = make("tabletop", num_envs=3, backend="mujoco_warp", device="cpu", seed=0,

@@ -18,6 +18,7 @@ def pretrained(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.e2e
 def test_pretrain_writes_a_hugging_face_checkpoint(pretrained):
     last = pretrained / "checkpoints" / "last"
     for name in ("model.safetensors", "config.json", "tokenizer.json", "lm_task.json"):
@@ -37,6 +38,7 @@ def test_pretrain_writes_a_hugging_face_checkpoint(pretrained):
     assert AutoModelForCausalLM.from_pretrained(last).config.hidden_size == 32
 
 
+@pytest.mark.e2e
 def test_eval_records_every_problem(pretrained, tmp_path, capsys):
     args = ["eval", "task=lm/addition", "task.digits=2", f"checkpoint={pretrained}", "lm.problems=6",
             "lm.samples=4", "lm.temperature=1.0"]

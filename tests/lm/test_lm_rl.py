@@ -129,6 +129,7 @@ def test_advantages_of_every_algorithm():
     assert torch.equal(ppo, core.masked_whiten(gae, mask) * mask) and torch.equal(returns, gae_returns)
 
 
+@pytest.mark.e2e
 def test_finetune_resumes_exactly_and_evaluates(sft_run, tmp_path, capsys):
     args = ["finetune", *RL, f"checkpoint={sft_run}", "algo=grpo", "lm.rl.checkpoint_every=1",
             "lm.rl.ent_coef=0.01"]  # the entropy bonus makes every step change the weights
@@ -167,6 +168,7 @@ def test_finetune_resumes_exactly_and_evaluates(sft_run, tmp_path, capsys):
      "lm.rl.dynamic_sampling=true", "lm.rl.max_refills=2", "lm.rl.ent_coef=0.01", "lm.rl.clip_high=0.28",
      "lm.rl.temperature=0.7"],
 ])
+@pytest.mark.e2e
 def test_every_algorithm_runs(sft_run, tmp_path, extra):
     assert main(["finetune", *RL, f"checkpoint={sft_run}", "lm.rl.steps=2", *extra, f"run_dir={tmp_path}"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -201,6 +203,7 @@ def test_robot_finetune_refuses_language_algorithms(tmp_path, capsys):
     assert "unknown algo 'rloo'" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_divergence_exits_3_and_checkpoints_last_stays_finite(sft_run, tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["finetune", *RL, f"checkpoint={sft_run}", "algo=ppo", "lm.rl.steps=4", "lm.rl.lr=1e30", "lm.rl.critic_lr=1e30",
