@@ -200,9 +200,15 @@ def test_pretrain_on_two_ranks_resumes_exactly(tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a), name
 
 
-def test_commands_that_run_in_one_process_refuse_torchrun(bc, tmp_path):
-    done = torchrun("eval", "task=reach", f"checkpoint={bc / 'flow'}", "episodes=2", f"run_dir={tmp_path / 'e'}")
-    assert done.returncode != 0 and "'eval' runs in one process" in done.stderr
+def test_commands_that_run_in_one_process_refuse_torchrun(bc, tmp_path, monkeypatch, capsys):
+    from embodied_rl.cli import main
+
+    with monkeypatch.context() as patch:  # what torchrun sets; the CLI refuses before joining a group
+        patch.setenv("WORLD_SIZE", "2")
+        patch.setenv("RANK", "1")
+        assert main(["eval", "task=reach", f"checkpoint={bc / 'flow'}", "episodes=2", f"run_dir={tmp_path / 'e'}"]) == 2
+    assert "error: rank 1: 'eval' runs in one process" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
     done = torchrun("finetune", "algo=recap", f"checkpoint={bc / 'flow'}", *TINY, f"run_dir={tmp_path / 'r'}")
     assert done.returncode != 0 and "algo=recap runs in one process" in done.stderr
 
