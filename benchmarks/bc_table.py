@@ -60,8 +60,8 @@ def one_thread() -> None:
 
 def collect(task: str, demos: int, quality: float, seed: int, workdir: Path) -> Path:
     """The task's demo dataset with `demos` expert episodes (reused when it exists)."""
-    from embodied_rl.cli import compose
     from embodied_rl.commands import collect as collect_command
+    from embodied_rl.config import compose
 
     run_dir = workdir / f"demos_{task}_q{quality:g}_n{demos}_s{seed}"
     data = run_dir / "demos.zarr"
@@ -100,8 +100,8 @@ def run_cell(cell: dict) -> dict:
     result_file = cell_dir / "result.json"
     if result_file.exists() and not cell["fresh"]:
         return json.loads(result_file.read_text())
-    from embodied_rl.cli import compose
     from embodied_rl.commands import pretrain
+    from embodied_rl.config import compose
     from embodied_rl.runs import atomic_write_text
 
     run_dir = cell_dir / "pretrain"
@@ -131,7 +131,7 @@ def time_chunks(task: str, policies: list[str], repeats: int) -> dict:
     one_thread()
     import torch
 
-    from embodied_rl.cli import compose
+    from embodied_rl.config import compose
     from embodied_rl.envs import make_task
     from embodied_rl.policies import make_policy
 
@@ -180,7 +180,7 @@ def print_tables(results: list[dict], timings: dict, timing_task: str) -> None:
     header = f"{'task':<11}{'policy':<10}{'demos':>6}{'q':>5}{'steps':>7}{'train s':>9}  success at K"
     print(header)
     print("-" * 100)
-    from embodied_rl.cli import compose
+    from embodied_rl.config import compose
 
     default_k = {p: compose("pretrain", [f"policy={p}"]).policy.num_inference_steps for p in SUCCESS_STEPS}
     for r in results:

@@ -29,7 +29,7 @@ def time_iteration(policy_type: str, steps: int, algo: str, num_envs: int, chunk
 
     from embodied_rl import envs
     from embodied_rl.algos.ppo import finetune
-    from embodied_rl.cli import compose
+    from embodied_rl.config import compose
     from embodied_rl.policies import make_policy
     from embodied_rl.runs import Run
 

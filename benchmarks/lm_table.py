@@ -185,7 +185,7 @@ def run_trl(args: argparse.Namespace, task_name: str, sft: Path, run_dir: Path) 
     from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from embodied_rl.cli import compose
+    from embodied_rl.config import compose
     from embodied_rl.lm.model import load_model, recorded_task, save_model
     from embodied_rl.lm.tasks import make_task
 

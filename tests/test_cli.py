@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from embodied_rl.cli import COMMANDS, compose, main
+from embodied_rl.cli import COMMANDS, main
+from embodied_rl.config import compose
 from embodied_rl.errors import UserError
 
 

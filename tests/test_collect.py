@@ -70,7 +70,7 @@ def test_collect_refuses_existing_out(tmp_path, capsys):
 def test_bc_defaults_come_from_the_task_config(task):
     import yaml
 
-    from embodied_rl.cli import compose
+    from embodied_rl.config import compose
     from embodied_rl.paths import config_dir
 
     defaults = yaml.safe_load((config_dir() / "task" / f"{task}.yaml").read_text())

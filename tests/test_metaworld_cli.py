@@ -103,8 +103,8 @@ def test_collect_refuses_a_bad_per_instruction(tmp_path, capsys):
 
 
 def test_collect_on_a_suite_picks_a_fitting_num_envs_or_names_one(tmp_path, capsys):
-    from embodied_rl.cli import compose
     from embodied_rl.commands.collect import validate
+    from embodied_rl.config import compose
 
     for suite, num_envs in (("MT50", 50), ("MT10", 20), ("reach", 16)):
         cfg = compose("collect", [f"task=metaworld/{suite}"])

@@ -50,7 +50,7 @@ class CountingPolicy:
 def algo_cfg(name: str = "dsrl", **overrides):
     """The shipped dsrl / dsrl_na config at a tiny size, with `overrides`."""
     from embodied_rl.algos.dsrl import DSRLConfig
-    from embodied_rl.cli import compose
+    from embodied_rl.config import compose
 
     values = dict(lr=1e-3, buffer_size=10_000, batch_size=32, tau=0.01, utd_ratio=0.5, ent_coef="auto",
                   target_entropy="auto", hidden_sizes="[16,16]", warmup_env_steps=0, critic_only_steps=0)

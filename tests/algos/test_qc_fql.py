@@ -8,7 +8,8 @@ from omegaconf import OmegaConf
 
 from embodied_rl.algos.offpolicy import demo_chunk_transitions
 from embodied_rl.algos.qc_fql import QCFQL, QCFQLConfig
-from embodied_rl.cli import compose, main
+from embodied_rl.cli import main
+from embodied_rl.config import compose
 from embodied_rl.data.dataset import DemoDataset, write_demos
 from embodied_rl.policies import make_policy, save_policy
 

@@ -19,7 +19,7 @@ from embodied_rl.algos.residual_offpolicy import (
     finetune,
     nstep_returns,
 )
-from embodied_rl.cli import compose
+from embodied_rl.config import compose
 from embodied_rl.data.dataset import DemoDataset, write_demos
 from embodied_rl.policies import PolicyRunner
 from embodied_rl.runs import Run

@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 from embodied_rl import envs
 from embodied_rl.algos.interventions import InterventionSchedule
 from embodied_rl.algos.residual_offpolicy import ResidualOffPolicyConfig, finetune, validate_config
-from embodied_rl.cli import compose, main
+from embodied_rl.cli import main
+from embodied_rl.config import compose
 from embodied_rl.errors import UserError
 from embodied_rl.runs import Run
 from tests.algos.test_dsrl import tiny_policy
