@@ -1,6 +1,6 @@
 """Behaviour cloning of a ChunkPolicy: AdamW, cosine LR with warm-up, EMA weights.
 
-    result = train_bc(policy, windows, BCConfig(steps=2000), run=run,
+    result = train_bc(policy, windows, BCConfig(steps=2000, batch_size=256, lr=1e-3, ...), run=run,
                       evaluate_fn=lambda policy, step: {...}, checkpoint_fn=save_every_time)
 
 The loop samples a batch of windows, takes one gradient step on `policy.bc_loss`, updates the EMA
@@ -41,18 +41,22 @@ from embodied_rl.runs import Run, atomic_dir, progress
 
 @dataclass
 class BCConfig:
-    steps: int = 2000
-    batch_size: int = 256
-    lr: float = 1e-4
-    weight_decay: float = 1e-6
+    """The BC optimiser's settings. No defaults for what configs/pretrain.yaml and the policy yaml
+    set (steps, batch size, lr, weight decay, warm-up, EMA power: `embodied-rl pretrain` passes
+    them): those files are their one home."""
+
+    steps: int
+    batch_size: int
+    lr: float
+    weight_decay: float
+    warmup_steps: int
+    ema_power: float
+    log_every: int
+    eval_every: int | None
+    seed: int
     betas: tuple[float, float] = (0.95, 0.999)
-    warmup_steps: int = 100
     grad_clip: float = 1.0
-    ema_power: float = 0.75
     ema_max_decay: float = 0.9999
-    log_every: int = 50
-    eval_every: int | None = None
-    seed: int = 0
 
 
 class EMA:

@@ -186,7 +186,7 @@ class QCFQL:
 
 def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     algo = QCFQLConfig.from_cfg(cfg.algo)
-    if not hasattr(policy, "velocity"):
+    if not policy.is_flow:
         raise UserError(f"algo=qc_fql distils a flow policy (policy=flow or vla); this checkpoint holds a {type(policy).__name__}")
     seed = int(cfg.seed)
     torch.manual_seed(seed)

@@ -239,7 +239,7 @@ class SACFlow:
 
 def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     algo = SACFlowConfig.from_cfg(cfg.algo)
-    if not hasattr(policy, "sample_train_times"):
+    if not policy.is_flow:
         raise UserError(f"algo=sac_flow fine-tunes a flow policy (policy=flow or vla); this checkpoint holds a "
                         f"{type(policy).__name__}")
     seed = int(cfg.seed)

@@ -13,6 +13,10 @@ action space (actions in [-1, 1]):
 std of a stochastic version of step i (DDIM with eta for diffusion, a marginal-preserving SDE step
 for flow models); with noise_level=0 its mean equals `denoise_step`. RL actors build likelihoods
 from these two methods, so sampling and likelihood always share one time grid. See docs/policies.md.
+
+Capabilities a fine-tuning method may need are class attributes, never probed with hasattr:
+`is_flow` says the chain integrates a learned velocity field from t = 0 (noise) to 1: the
+policy has `velocity(x, t, cond)` and `sample_train_times(n, device)` (flow, shortcut, vla).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class ChunkPolicy(nn.Module):
 
     policy_type: ClassVar[str] = ""
     num_times: ClassVar[int] = 1  # scalars the backbone is conditioned on (t, or t and step size)
+    is_flow: ClassVar[bool] = False  # velocity() and sample_train_times() (the module docstring)
 
     def __init__(
         self,

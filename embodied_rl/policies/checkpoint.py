@@ -118,6 +118,8 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu") -> ChunkPo
     if policy_type not in POLICIES:
         raise UserError(f"checkpoint '{path}': unknown policy_type {policy_type!r} (known: {', '.join(POLICIES)})")
     kwargs = dict(config["policy"])
+    if policy_type == "diffusion":  # written before prediction_type existed: the network predicted epsilon
+        kwargs.setdefault("prediction_type", "epsilon")
     try:
         normalizer = Normalizer.empty_like(
             {"obs": int(kwargs["obs_dim"]), "action": int(kwargs["action_dim"])},

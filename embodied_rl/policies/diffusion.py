@@ -1,10 +1,10 @@
 """Diffusion policy: trained with DDPM, sampled with DDIM (eta=0).
 
-The network predicts `prediction_type`: epsilon, v or x0 ("sample"; the config default, which
-the MLP learns much better than epsilon: the epsilon loss is dominated by the nearly unlearnable
+The network predicts `prediction_type`: epsilon, v or x0 ("sample", the default, which the MLP
+learns much better than epsilon: the epsilon loss is dominated by the nearly unlearnable
 low-noise timesteps). `predict_noise` always returns epsilon, so every step formula below and the
-RL actors work in epsilon whatever the network predicts. The class default stays epsilon so that
-checkpoints written before the option existed load unchanged.
+RL actors work in epsilon whatever the network predicts. A checkpoint written before the option
+existed predicted epsilon; `load_policy` says so for it.
 
 Both schedulers come from diffusers and share one beta schedule (squaredcos_cap_v2, 100 train
 steps). `timesteps()` is the DDIM grid of K integer timesteps, e.g. [90, 80, ..., 0] for K=10.
@@ -33,7 +33,7 @@ class DiffusionPolicy(ChunkPolicy):
         *args: Any,
         num_train_timesteps: int = 100,
         beta_schedule: str = "squaredcos_cap_v2",
-        prediction_type: str = "epsilon",
+        prediction_type: str = "sample",
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)

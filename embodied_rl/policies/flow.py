@@ -23,6 +23,7 @@ TIME_SAMPLING = ("uniform", "logit_normal")
 
 class FlowPolicy(ChunkPolicy):
     policy_type = "flow"
+    is_flow = True
     time_scale = 1000.0  # t in [0, 1] is scaled before its sinusoidal embedding
 
     def __init__(self, *args: Any, time_sampling: str = "logit_normal", **kwargs: Any):
