@@ -1,15 +1,17 @@
 """One home for every default: a config yaml and the constructor it reaches cannot disagree. The
 algorithm and BC config dataclasses hold no default for what their yaml sets; a policy class's
-defaults equal its configs/policy/<name>.yaml."""
+defaults equal its configs/policy/<name>.yaml, an actor's the actor_kwargs of its preset."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 
 import pytest
 from omegaconf import OmegaConf
 
+from embodied_rl.actors import ACTORS
 from embodied_rl.algos.bc import BCConfig
 from embodied_rl.algos.dsrl import DSRLConfig
 from embodied_rl.algos.ppo import PPOConfig
@@ -60,3 +62,27 @@ def test_policy_classes_default_to_their_yaml(name):
     yaml = {ARGUMENT.get(key, key): value for key, value in yaml.items() if key not in PER_RUN_KEYS}
     differ = {key: (value, defaults[key]) for key, value in yaml.items() if key in defaults and defaults[key] != value}
     assert differ == {}, f"configs/policy/{name}.yaml vs {POLICIES[name].__name__} (yaml, class): {differ}"
+
+
+def algo_presets_with_an_actor() -> list[str]:
+    return sorted(path.stem for path in (config_dir() / "algo").glob("*.yaml")
+                  if not path.stem.startswith("_") and "actor" in OmegaConf.load(path))
+
+
+# Flow-Noise's and Flow-SDE's constructors still default to other values than reinflow.yaml and
+# flow_sde.yaml; strict: the test fails once they agree, so that these marks are removed
+NOT_YET_ONE_HOME = {"reinflow", "flow_sde"}
+
+
+@pytest.mark.parametrize("preset", [
+    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="actor defaults differ from the preset"))
+    if name in NOT_YET_ONE_HOME else name for name in algo_presets_with_an_actor()])
+def test_actor_constructors_default_to_the_preset_of_their_algorithm(preset):
+    from embodied_rl.config import compose
+
+    algo = compose("finetune", [f"algo={preset}"]).algo
+    module, name = ACTORS[algo.actor].split(":")
+    defaults = constructor_defaults(getattr(importlib.import_module(module), name))
+    differ = {key: (value, defaults[key]) for key, value in OmegaConf.to_container(algo.actor_kwargs).items()
+              if key in defaults and defaults[key] != value}
+    assert differ == {}, f"configs/algo/{preset}.yaml actor_kwargs vs the {algo.actor} actor (yaml, class): {differ}"

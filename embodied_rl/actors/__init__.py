@@ -65,9 +65,19 @@ def load_weights(actor: Actor, state: dict[str, torch.Tensor], path: Any = "") -
     actor.load_state_dict(state, strict=False)
 
 
+# what the constructors defaulted to before configs/algo/ became the one home of their defaults:
+# a checkpoint written without one of these keys was built with this value
+LEGACY_ACTOR_DEFAULTS: dict[str, dict[str, Any]] = {
+    "residual": {"learn_std": True, "chunk_critic": False},
+    "dppo": {"eta": 1.0, "min_sampling_std": 0.1, "min_logprob_std": 0.1},
+    "fpo": {"action_noise": 0.0, "ratio": "chunk"},
+}
+
+
 def build_actor_agent(checkpoint: AgentCheckpoint, num_envs: int) -> ActorAgent:
     """The evaluation agent of an on-policy actor: the actor, deterministic."""
-    actor = make_actor(checkpoint.kind, checkpoint.base_policy, num_envs, **checkpoint.config)
+    config = {**LEGACY_ACTOR_DEFAULTS.get(checkpoint.kind, {}), **checkpoint.config}
+    actor = make_actor(checkpoint.kind, checkpoint.base_policy, num_envs, **config)
     load_weights(actor, checkpoint.tensors, checkpoint.path)
     actor = actor.to(checkpoint.base_policy.device).eval()
     return ActorAgent(actor, num_envs, deterministic=True)

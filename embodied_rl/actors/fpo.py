@@ -44,8 +44,8 @@ RATIOS = ("chunk", "per_sample")
 class FPOActor(ChainActor):
     kind = "fpo"
 
-    def __init__(self, policy, num_envs: int = 1, num_samples: int = 8, action_noise: float = 0.0,
-                 critic_hidden: int = 256, ratio: str = "chunk"):
+    def __init__(self, policy, num_envs: int = 1, num_samples: int = 8, action_noise: float = 0.1,
+                 critic_hidden: int = 256, ratio: str = "per_sample"):
         if not isinstance(policy, FlowPolicy) or isinstance(policy, ShortcutPolicy):
             name = getattr(policy, "policy_type", type(policy).__name__)
             raise UserError(f"algo=fpo needs a flow policy (policy=flow or vla), got {name}")

@@ -102,11 +102,11 @@ class ResidualActor(Actor):
         num_envs: int,
         action_scale: float | list[float] = 0.1,
         init_std: float = 1.0,
-        learn_std: bool = True,
+        learn_std: bool = False,
         hidden: int = 256,
         layers: int = 2,
         critic_hidden: int = 256,
-        chunk_critic: bool = False,
+        chunk_critic: bool = True,
     ):
         super().__init__()
         from embodied_rl.policies import PolicyRunner

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from embodied_rl.actors import (
     AGENTS,
+    LEGACY_ACTOR_DEFAULTS,
     load_agent,
     load_agent_tensors,
     read_agent_json,
@@ -58,6 +59,17 @@ def test_v1_checkpoints_act_like_the_old_ones(name, tmp_path):
     assert spec == {"format": FORMAT, "kind": kind, "config": config}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["agent.json", "agent.safetensors", "base_policy"]
     recorded = load_file(str(FIXTURES / name / "actions.safetensors"))
+    torch.testing.assert_close(replay(tmp_path, recorded["obs"]), recorded["actions"], rtol=0, atol=1e-6)
+
+
+def test_a_checkpoint_without_a_later_default_builds_with_the_value_it_was_made_with(tmp_path):
+    # dppo's constructor defaults moved to configs/algo/dppo.yaml's values; a config written
+    # without them was built with the old ones (actors.LEGACY_ACTOR_DEFAULTS)
+    kind, config, _ = read_agent_json(FIXTURES / "dppo")
+    older = {key: value for key, value in config.items() if key not in LEGACY_ACTOR_DEFAULTS["dppo"]}
+    save_agent(tmp_path, kind, older, load_agent_tensors(FIXTURES / "dppo"), load_policy(FIXTURES / "dppo" / "base_policy"))
+    assert load_agent(tmp_path, num_envs=NUM_ENVS).actor.config() == config
+    recorded = load_file(str(FIXTURES / "dppo" / "actions.safetensors"))
     torch.testing.assert_close(replay(tmp_path, recorded["obs"]), recorded["actions"], rtol=0, atol=1e-6)
 
 

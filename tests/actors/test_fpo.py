@@ -20,7 +20,7 @@ def tiny(policy_type="flow"):
 
 
 def test_the_ratio_is_one_before_an_update():
-    actor = FPOActor(tiny(), num_samples=4)
+    actor = FPOActor(tiny(), num_samples=4, ratio="chunk", action_noise=0.0)
     obs = torch.randn(6, 2, 3)
     out = actor.act(obs)
     assert out.actions.shape == (6, 2, 2) and out.logprob.shape == (6, 1)
@@ -33,7 +33,7 @@ def test_the_ratio_is_one_before_an_update():
 
 
 def test_the_loss_is_the_flow_matching_error_of_the_executed_steps():
-    actor = FPOActor(tiny(), num_samples=3)
+    actor = FPOActor(tiny(), num_samples=3, ratio="chunk", action_noise=0.0)
     obs = torch.randn(2, 2, 3)
     stash = actor.act(obs).stash
     cond = actor.encode(obs)
@@ -46,7 +46,7 @@ def test_the_loss_is_the_flow_matching_error_of_the_executed_steps():
 
 
 def test_a_step_on_the_surrogate_raises_the_ratio_of_a_positive_advantage():
-    actor = FPOActor(tiny(), num_samples=8)
+    actor = FPOActor(tiny(), num_samples=8, ratio="chunk", action_noise=0.0)
     obs = torch.randn(16, 2, 3)
     out = actor.act(obs)
     optimizer = torch.optim.SGD(actor.actor_parameters(), lr=0.05)
@@ -61,8 +61,8 @@ def test_a_step_on_the_surrogate_raises_the_ratio_of_a_positive_advantage():
 
 def test_extra_action_noise_is_stored_and_keeps_the_ratio_at_one():
     obs = torch.randn(5, 2, 3)
-    plain = FPOActor(tiny(), num_samples=2).act(obs)  # tiny() seeds: both actors draw the same initial noise
-    actor = FPOActor(tiny(), num_samples=2, action_noise=0.3)
+    plain = FPOActor(tiny(), num_samples=2, ratio="chunk", action_noise=0.0).act(obs)  # tiny() seeds: both actors draw the same initial noise
+    actor = FPOActor(tiny(), num_samples=2, ratio="chunk", action_noise=0.3)
     noisy = actor.act(obs)
     assert not torch.allclose(noisy.stash["chunk"], plain.stash["chunk"])
     assert noisy.stash["chunk"].abs().max() <= 1.0
@@ -71,12 +71,12 @@ def test_extra_action_noise_is_stored_and_keeps_the_ratio_at_one():
 
 def test_per_sample_ratios_are_one_column_per_pair_and_average_to_the_chunk_surrogate():
     obs = torch.randn(6, 2, 3)
-    actor = FPOActor(tiny(), num_samples=4, ratio="per_sample")
+    actor = FPOActor(tiny(), num_samples=4, ratio="per_sample", action_noise=0.0)
     out = actor.act(obs)
     assert out.logprob.shape == (6, 4) and actor.num_logprob_positions == 4
     assert torch.equal(actor.evaluate(obs, out.stash)[0], out.logprob)  # every ratio is 1 before an update
     # the columns are -l(a; t_k, eps_k); their mean is the chunk ratio's log-prob on the same stash
-    chunk_actor = FPOActor(tiny(), num_samples=4)
+    chunk_actor = FPOActor(tiny(), num_samples=4, ratio="chunk", action_noise=0.0)
     assert torch.allclose(chunk_actor.evaluate(obs, out.stash)[0], out.logprob.mean(1, keepdim=True), atol=1e-6)
     assert actor.clip_coefs(0.05) == [0.05] * 4 and torch.equal(actor.advantage_weights(), torch.ones(4))
     assert actor.act(obs, deterministic=True).logprob.shape == (6, 4)
