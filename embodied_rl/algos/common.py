@@ -102,6 +102,14 @@ def reward_settings(cfg: Any) -> RewardSettings:
     return RewardSettings(sparse, (not sparse) if bootstrap == "auto" else bool(bootstrap))
 
 
+def check_values(config: Any, checks: list[tuple[str, bool, str]]) -> None:
+    """An algorithm config's checks, `(key, ok, expected)` each: the first that failed is one line,
+    `algo.<key> must be <expected>, got <value>`."""
+    for key, ok, expected in checks:
+        if not ok:
+            raise UserError(f"algo.{key} must be {expected}, got {getattr(config, key)!r}")
+
+
 def training_reward(reward: torch.Tensor, info: dict[str, Any], sparse: bool) -> torch.Tensor:
     """What RL maximises: the env reward, or (`sparse`) 1 on a step that ends in success."""
     return info["success"].float() if sparse else reward.float()

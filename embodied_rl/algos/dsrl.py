@@ -42,7 +42,7 @@ from embodied_rl.actors.latent_noise import (
     _ScaledActor,
     make_noise_critic,
 )
-from embodied_rl.algos.common import FinetuneLoop, env_snapshot, reward_settings
+from embodied_rl.algos.common import FinetuneLoop, check_values, env_snapshot, reward_settings
 from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart
 from embodied_rl.errors import UserError
 from embodied_rl.policies import executed_actions
@@ -297,9 +297,7 @@ class DSRLConfig:
             ("critic_only_steps", config.critic_only_steps >= 0, ">= 0"),
             ("action_critics", config.action_critics is None or config.action_critics >= 1, ">= 1"),
         ]
-        for key, ok, expected in checks:
-            if not ok:
-                raise UserError(f"algo.{key} must be {expected}, got {getattr(config, key)!r}")
+        check_values(config, checks)
         return config
 
 

@@ -41,7 +41,13 @@ from omegaconf import OmegaConf
 from embodied_rl import core, distributed
 from embodied_rl.actors import make_actor
 from embodied_rl.actors.base import ActorAgent, HistoryEnv, ObsHistory
-from embodied_rl.algos.common import FinetuneLoop, env_snapshot, reward_settings, training_reward
+from embodied_rl.algos.common import (
+    FinetuneLoop,
+    check_values,
+    env_snapshot,
+    reward_settings,
+    training_reward,
+)
 from embodied_rl.envs.api import step_chunk
 from embodied_rl.errors import UserError
 from embodied_rl.policies.base import Obs
@@ -142,9 +148,7 @@ class PPOConfig:
             ("max_grad_norm", self.max_grad_norm > 0, "> 0"),
             ("group_size", self.group_size == 0 or self.group_size >= 2, "0 (PPO) or >= 2 (GRPO)"),
         ]
-        for key, ok, expected in checks:
-            if not ok:
-                raise UserError(f"algo.{key} must be {expected}, got {getattr(self, key)}")
+        check_values(self, checks)
 
 
 def validate_config(cfg: Any) -> None:

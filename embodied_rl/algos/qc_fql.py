@@ -42,7 +42,7 @@ from embodied_rl.actors.qc_fql import (
     one_step_config,
 )
 from embodied_rl.algos.chunks import ChunkOffPolicy
-from embodied_rl.algos.common import FinetuneLoop, reward_settings
+from embodied_rl.algos.common import FinetuneLoop, check_values, reward_settings
 from embodied_rl.algos.offpolicy import (
     QEnsemble,
     demo_chunk_transitions,
@@ -94,9 +94,7 @@ class QCFQLConfig:
             ("demo_fraction", 0.0 <= config.demo_fraction <= 1.0, "in [0, 1]"),
             ("offline_updates", config.offline_updates >= 0, ">= 0"),
         ]
-        for key, ok, expected in checks:
-            if not ok:
-                raise UserError(f"algo.{key} must be {expected}, got {getattr(config, key)}")
+        check_values(config, checks)
         return config
 
 

@@ -46,7 +46,13 @@ from torch import Tensor
 from embodied_rl.actors import save_agent
 from embodied_rl.actors.base import Critic
 from embodied_rl.actors.recap import AGENT_KIND, IndicatorEmbedding, RecapAgent
-from embodied_rl.algos.common import FinetuneLoop, env_snapshot, reward_settings, training_reward
+from embodied_rl.algos.common import (
+    FinetuneLoop,
+    check_values,
+    env_snapshot,
+    reward_settings,
+    training_reward,
+)
 from embodied_rl.algos.offpolicy import dataset_obs, find_demo_path
 from embodied_rl.errors import UserError
 from embodied_rl.policies.runner import index_obs, map_obs
@@ -100,9 +106,7 @@ class RecapConfig:
             ("value_lr", config.value_lr > 0, "> 0"),
             ("value_hidden", config.value_hidden >= 1, ">= 1"),
         ]
-        for key, ok, expected in checks:
-            if not ok:
-                raise UserError(f"algo.{key} must be {expected}, got {getattr(config, key)!r}")
+        check_values(config, checks)
         return config
 
 

@@ -49,7 +49,13 @@ from embodied_rl.actors.residual_offpolicy import (
     make_residual_net,
     residual_tensors,
 )
-from embodied_rl.algos.common import FinetuneLoop, env_snapshot, reward_settings, training_reward
+from embodied_rl.algos.common import (
+    FinetuneLoop,
+    check_values,
+    env_snapshot,
+    reward_settings,
+    training_reward,
+)
 from embodied_rl.algos.interventions import TRIGGERS, ExpertTakeover, InterventionSchedule
 from embodied_rl.algos.offpolicy import (
     MixedBatches,
@@ -170,9 +176,7 @@ class ResidualOffPolicyConfig:
             ("intervention_prob", 0.0 <= config.intervention_prob <= 1.0, "in [0, 1]"),
             ("intervention_steps", config.intervention_steps >= 1, ">= 1"),
         ]
-        for key, ok, expected in checks:
-            if not ok:
-                raise UserError(f"algo.{key} must be {expected}, got {getattr(config, key)!r}")
+        check_values(config, checks)
         return config
 
 

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from embodied_rl.actors.base import gaussian_logprob
 from embodied_rl.algos.chunks import ChunkOffPolicy
-from embodied_rl.algos.common import FinetuneLoop, reward_settings
+from embodied_rl.algos.common import FinetuneLoop, check_values, reward_settings
 from embodied_rl.algos.offpolicy import (
     QEnsemble,
     demo_chunk_transitions,
@@ -103,9 +103,7 @@ class SACFlowConfig:
             ("critic_only_steps", config.critic_only_steps >= 0, ">= 0"),
             ("action_reg", config.action_reg >= 0, ">= 0"),
         ]
-        for key, ok, expected in checks:
-            if not ok:
-                raise UserError(f"algo.{key} must be {expected}, got {getattr(config, key)}")
+        check_values(config, checks)
         return config
 
 
