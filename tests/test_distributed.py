@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from embodied_rl import core, distributed
+from embodied_rl.algos.common import read_best
 from embodied_rl.errors import UserError
 
 pytestmark = pytest.mark.e2e
@@ -160,6 +161,8 @@ def test_two_ranks_train_resume_exactly_and_keep_equal_weights(algo, extra, bc, 
     assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
     a, b = agent_weights(straight), agent_weights(stopped)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # rank 0 keeps checkpoints/best, and the resumed job still knows it
+    assert "best: " in done.stdout and read_best(stopped / "checkpoints") == read_best(straight / "checkpoints") is not None
     # one rank cannot resume what two wrote
     from embodied_rl.cli import main
 

@@ -21,6 +21,11 @@ loop reads top to bottom in its file (CleanRL style) and calls this at its bound
   last file, so a directory holding it is complete. Resume takes the newest complete checkpoint,
   repairs what a kill left mid-swap and removes incomplete temporary directories; it never
   deletes a complete checkpoint.
+- Best checkpoint: every periodic evaluation (step 0 and the final one included) that scores at
+  least the best so far (ties go to the later one) writes its agent as checkpoints/best, a
+  symlink swapped in one rename, with best.json (step, success rate and interval, return, and
+  the episodes, envs and seed that scored it). It is not a numbered checkpoint, so pruning never
+  deletes it; a resumed run reads best.json back and goes on comparing against it.
 - Exact resume: a checkpoint holds the trainable modules and optimisers, every RNG, and the
   algorithm's loop state (env state, per-env histories and queues, replay buffer), so a resumed
   run continues as if never stopped. `save_replay=false` leaves the replay buffer out (smaller
@@ -64,6 +69,8 @@ TRAINING_STATE = "training_state"
 COUNTERS = "counters.json"
 REPLAY = "replay.pt"
 KEEP_CHECKPOINTS = 3
+BEST = "best"  # checkpoints/best: the agent of the best periodic evaluation
+BEST_RECORD = "best.json"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,6 +165,14 @@ def checkpoint_step(path: Path) -> int | None:
         return None
 
 
+def _point_link(link: Path, target: Path) -> None:
+    """Make `link` a symlink to `target` (a sibling), in one rename."""
+    tmp = link.with_name(f".{link.name}.link.tmp")
+    tmp.unlink(missing_ok=True)
+    os.symlink(target.name, tmp)
+    os.replace(tmp, link)
+
+
 def _point_last(root: Path, target: Path) -> None:
     """Make checkpoints/last a symlink to `target`, in one rename."""
     last = root / "last"
@@ -168,10 +183,7 @@ def _point_last(root: Path, target: Path) -> None:
             os.replace(last, numbered)
         else:  # incomplete, or a copy of the numbered checkpoint of its step (the older layout wrote both)
             shutil.rmtree(last)
-    link = root / ".last.link.tmp"
-    link.unlink(missing_ok=True)
-    os.symlink(target.name, link)
-    os.replace(link, last)
+    _point_link(last, target)
 
 
 def find_checkpoint(root: str | Path) -> Path | None:
@@ -265,6 +277,58 @@ def write_checkpoint(root: str | Path, step: int, fill: Callable[[Path], None]) 
     for older in numbered[:-1]:
         (older / TRAINING_STATE / REPLAY).unlink(missing_ok=True)
     return target
+
+
+def score(record: dict[str, Any]) -> float:
+    """What makes a checkpoint the best: its evaluation's success rate, or its mean return on a
+    task without a success signal."""
+    rate = record.get("success_rate")
+    return float(record["return"] if rate is None else rate)
+
+
+def saved_env_step(path: str | Path) -> int | None:
+    """The env step a fine-tuning run saved checkpoint `path` at (a numbered one, last or best),
+    or None (a BC checkpoint)."""
+    step = checkpoint_step(Path(path))
+    if step is not None:
+        return step
+    try:
+        return int(json.loads((Path(path) / BEST_RECORD).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def read_best(root: str | Path) -> dict[str, Any] | None:
+    """The record of checkpoints/best under `root` (a run's checkpoints/), or None when there is none."""
+    try:
+        record = json.loads((Path(root) / BEST / BEST_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and "step" in record and "return" in record else None
+
+
+def write_best(root: str | Path, record: dict[str, Any], fill: Callable[[Path], None]) -> Path:
+    """checkpoints/best: a symlink to a hidden directory `.best.<random>` that `fill(dir)` writes
+    the agent files into, with `record` as best.json written last. The symlink is swapped in one
+    rename and the directory it pointed to is removed after, so a kill at any moment leaves a
+    whole checkpoints/best (and at worst a stray directory, removed at the next write). The
+    directory is not a numbered checkpoint: pruning and resume never touch it."""
+    import tempfile
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    target = Path(tempfile.mkdtemp(dir=root, prefix=".best."))
+    try:
+        fill(target)
+        atomic_write_json(target / BEST_RECORD, record)
+    except BaseException:
+        shutil.rmtree(target, ignore_errors=True)
+        raise
+    _point_link(root / BEST, target)
+    for old in root.glob(".best.*"):
+        if old != target and old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+    return root / BEST
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,7 +442,10 @@ class Evaluator:
             self.env = None
 
 
-def headline_from_eval(info: dict[str, Any] | None, env_steps: int, run: Run) -> dict[str, Any]:
+def headline_from_eval(info: dict[str, Any] | None, env_steps: int, run: Run,
+                       best: dict[str, Any] | None) -> dict[str, Any]:
+    """The last evaluation's numbers, the env steps, checkpoints/last and, when the run has one,
+    the record of checkpoints/best (`best`, its path `best_checkpoint`)."""
     headline: dict[str, Any] = {}
     if info is not None:
         overall = info["overall"]
@@ -388,6 +455,9 @@ def headline_from_eval(info: dict[str, Any] | None, env_steps: int, run: Run) ->
         headline["return"] = overall["avg_sum_reward"]
     headline["env_steps"] = int(env_steps)
     headline["checkpoint"] = str(run.file("checkpoints", "last"))
+    if best is not None:
+        headline["best"] = best
+        headline["best_checkpoint"] = str(run.file("checkpoints", BEST))
     return headline
 
 
@@ -471,6 +541,7 @@ class FinetuneLoop:
         self.window_returns: list[float] = []  # every rank's episodes of the current logging window
         self.window_successes: list[float] = []
         self.evaluator: Evaluator | None = None
+        self.best: dict[str, Any] | None = None  # the record of checkpoints/best (rank 0)
         self.bar = None
 
     @property
@@ -533,14 +604,21 @@ class FinetuneLoop:
         self.evaluator = Evaluator(self.cfg, self.run, counters=self.counters, env_options=self.env_options)
         if path is not None and distributed.is_main():
             self.evaluator.recall(self.env_steps)
+        if distributed.is_main():
+            self.best = read_best(self.run.file("checkpoints"))
         self.next_log = _next_multiple(self.env_steps, self.log_every)
         self.next_checkpoint = _next_multiple(self.env_steps, self.checkpoint_every)
         return loop_state
 
     def start(self, desc: str) -> None:
-        """Evaluate the base policy at step 0 (fresh runs) and show the progress bar (rank 0)."""
+        """Evaluate the base policy at step 0 (fresh runs) and show the progress bar (rank 0). A
+        resumed run whose checkpoint was evaluated before the stop weighs that evaluation for
+        checkpoints/best (a kill may have come between the two writes)."""
         if self.resumed_from is None and self.evaluator.every > 0 and distributed.is_main():
-            self.evaluator.maybe_evaluate(0, self.make_eval_agent, force=True)
+            self.evaluate(0, force=True)
+        elif self.evaluator.last_step == self.env_steps and (self.best or {}).get("step") != self.env_steps:
+            # the checkpoint's evaluation ran before the stop, which may have come before its best was written
+            self._keep_if_best(self.env_steps, self.evaluator.last_info)
         self.bar = progress(total=self.total_env_steps, desc=desc, show=distributed.is_main(),
                             initial=min(self.env_steps, self.total_env_steps))
 
@@ -604,11 +682,32 @@ class FinetuneLoop:
         """Where the loop may stop and resume: evaluate when eval_every is due and checkpoint when
         checkpoint_every is due (`loop_state()` is called only then)."""
         if self.env_steps < self.total_env_steps and distributed.is_main():
-            info = self.evaluator.maybe_evaluate(self.env_steps, self.make_eval_agent)
+            info = self.evaluate(self.env_steps)
             if info is not None and info["overall"].get("success_rate") is not None:
                 self.bar.set_postfix(success=f"{100 * info['overall']['success_rate']:.0f}%")
         if self.next_checkpoint is not None and self.env_steps >= self.next_checkpoint:
             self.save(loop_state())
+
+    def evaluate(self, step: int, force: bool = False) -> dict[str, Any] | None:
+        """Evaluate the agent when eval_every is due at `step` (or `force`; rank 0 only) and keep
+        it as checkpoints/best when it scores at least the best so far: ties go to the later
+        evaluation, the one trained longer. Returns the eval_info, None when it did not run."""
+        info = self.evaluator.maybe_evaluate(step, self.make_eval_agent, force=force)
+        if info is not None:
+            self._keep_if_best(step, info)
+        return info
+
+    def _keep_if_best(self, step: int, info: dict[str, Any]) -> None:
+        overall = info["overall"]
+        record = {"step": int(step), "success_rate": overall.get("success_rate"),
+                  "success_ci95": overall.get("success_ci95"), "return": overall["avg_sum_reward"],
+                  # what `embodied-rl eval` needs to score the same episodes again
+                  "episodes": overall["n_episodes"], "num_envs": overall["num_envs"], "seed": overall["seed"]}
+        if self.best is None or score(record) >= score(self.best):
+            modules = {name: module.state_dict() for name, module in self.modules.items()}
+            refuse_non_finite(f"env step {step}", self._saved(), weights=modules)
+            write_best(self.run.file("checkpoints"), record, self.write_agent)
+            self.best = record
 
     def save(self, loop_state: dict[str, Any]) -> Path:
         """Write a checkpoint: agent files, modules, optimisers, RNGs, counters and `loop_state`
@@ -663,7 +762,7 @@ class FinetuneLoop:
         evaluator = self.evaluator
         info = evaluator.last_info
         if evaluator.every > 0 and evaluator.last_step != self.env_steps and distributed.is_main():
-            info = evaluator.maybe_evaluate(self.env_steps, self.make_eval_agent, force=True)
+            info = self.evaluate(self.env_steps, force=True)
         evaluator.close()
         self.run.log(self.env_steps, {"train/wall_s": evaluator.clock()["wall_s"]})
-        return headline_from_eval(info, self.env_steps, self.run)
+        return headline_from_eval(info, self.env_steps, self.run, self.best)

@@ -5,6 +5,10 @@ it on `min(num_envs, episodes)` parallel envs through the agent protocol, and wr
 `<run_dir>/eval_info.json` and `<run_dir>/videos/episode_<k>.mp4`. Without `task=`, the task
 recorded in the checkpoint is used; a `task=` that differs from it is an error.
 
+`checkpoint=RUN_DIR` (a pretrain or finetune run) takes its checkpoints/last, the newest;
+`checkpoint=RUN_DIR/checkpoints/best` a finetune run's best periodic evaluation. The headline's
+`checkpoint` line names the one taken and, for a fine-tuned one, its env step.
+
 `instruction="any English sentence"` (a vla checkpoint) makes the policy read that instruction in
 every env instead of the env's own, encoded on the fly by the policy's text encoder: language
 ablations and paraphrases. Success is still judged on each env's own instruction, which the
@@ -185,9 +189,11 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         return evaluate.main(cfg)
     refuse_lm_checkpoint(cfg)
     from embodied_rl.actors import AGENT_FILE, BASE_POLICY, load_agent, resolve_checkpoint
-    from embodied_rl.algos.common import refuse_non_finite_checkpoint
+    from embodied_rl.algos.common import refuse_non_finite_checkpoint, saved_env_step
 
     checkpoint = resolve_checkpoint(validate(cfg))  # a run directory stands for its checkpoints/last
+    step = saved_env_step(checkpoint)
+    taken = str(checkpoint) if step is None else f"{checkpoint} (env step {step})"  # the headline says which
 
     finetuned = (checkpoint / AGENT_FILE).is_file()  # an RL checkpoint: its actor acts
     policy = load_checkpoint(checkpoint / BASE_POLICY if finetuned else checkpoint, str(cfg.device))
@@ -259,7 +265,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     run.close()
 
     overall = eval_info["overall"]
-    headline: dict[str, Any] = {"task": task, "n_episodes": overall["n_episodes"]}
+    headline: dict[str, Any] = {"task": task, "checkpoint": taken, "n_episodes": overall["n_episodes"]}
     if overall["success_rate"] is not None:
         headline["success"] = success_text(overall)
     if cfg.get("instruction") is not None:

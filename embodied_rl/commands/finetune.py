@@ -140,6 +140,7 @@ def write_finetune_report(cfg: DictConfig, run: Any) -> Path:
     final evaluation's videos and how the run was made."""
     import json
 
+    from embodied_rl.algos.common import read_best
     from embodied_rl.eval.report import (
         learning_curve,
         run_section,
@@ -161,6 +162,10 @@ def write_finetune_report(cfg: DictConfig, run: Any) -> Path:
         results["start (step 0)"] = overall(evaluations[0])
     if evaluations and evaluations[-1]["step"] > 0:
         results[f"fine-tuned (step {evaluations[-1]['step']})"] = overall(evaluations[-1])
+    best = read_best(run.file("checkpoints"))
+    best_rows = [row for row in evaluations if best is not None and row["step"] == best["step"]]
+    if best_rows and best_rows[-1] is not evaluations[-1]:
+        results[f"best: checkpoints/best (step {best['step']})"] = overall(best_rows[-1])
     wall = [row["train/wall_s"] for row in rows if "train/wall_s" in row]
     train_wall = [row["eval/train_wall_s"] for row in evaluations if "eval/train_wall_s" in row]
     try:
@@ -180,12 +185,19 @@ def write_finetune_report(cfg: DictConfig, run: Any) -> Path:
 
 def success_before_after(headline: dict[str, Any], run: Any) -> dict[str, Any]:
     """The algorithm's headline with its success rate as every command prints it, after the
-    base policy's (the step-0 evaluation): 'success: 36.0% [27.3, 45.8] -> 99.0% [94.6, 99.8]'."""
+    base policy's (the step-0 evaluation): 'success: 36.0% [27.3, 45.8] -> 99.0% [94.6, 99.8]',
+    then checkpoints/best's evaluation in the same style: 'best: 99.0% [94.6, 99.8] at env step 4000'."""
     from embodied_rl.eval.stats import before_after, rate_with_interval, start_rate
 
     headline = dict(headline)
     rate, interval = headline.pop("success_rate", None), headline.pop("success_ci95", None)
-    if rate is None:
-        return headline
-    before = start_rate(run.read_metrics(), "eval/success_rate")
-    return {"success": before_after(rate_with_interval(rate, interval), before), **headline}
+    best = headline.pop("best", None)
+    lines = {}
+    if rate is not None:
+        before = start_rate(run.read_metrics(), "eval/success_rate")
+        lines["success"] = before_after(rate_with_interval(rate, interval), before)
+    if best is not None:
+        score = (f"return {best['return']:.4g}" if best["success_rate"] is None
+                 else rate_with_interval(best["success_rate"], best["success_ci95"]))
+        lines["best"] = f"{score} at env step {best['step']}"
+    return {**lines, **headline}

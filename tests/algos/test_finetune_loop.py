@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from embodied_rl.algos.common import FinetuneLoop, find_checkpoint, write_checkpoint
+from embodied_rl.algos.common import FinetuneLoop, find_checkpoint, read_best, write_checkpoint
 from embodied_rl.cli import main
 from embodied_rl.commands.finetune import ALGOS
 from embodied_rl.errors import Diverged, UserError
@@ -210,3 +210,4 @@ def test_a_resumed_run_continues_exactly_as_if_never_stopped(algo, policy, extra
     assert len(expected) >= 4 and resumed == expected
     trained = {key for step, row in expected.items() if step > 64 for key in row}
     assert trained & {"train/policy_loss", "train/actor_loss", "train/bc_loss"}  # the policy trains after the resume
+    assert read_best(parts / "checkpoints") == read_best(whole / "checkpoints") is not None  # it knows its best
