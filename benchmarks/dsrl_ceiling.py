@@ -10,7 +10,7 @@ bound on the expressible success; with n = 8 it already separates "the noise can
 task" (best-of-n at the BC rate) from "a good noise policy exists".
 
     OMP_NUM_THREADS=1 python benchmarks/dsrl_ceiling.py --checkpoint runs/vla_mt50/pretrain/checkpoints/last \
-        --task metaworld/MT50 --episodes 200 --num-envs 100 --draws 8
+        --task metaworld/MT50 --max-episode-steps 100 --episodes 500 --num-envs 100 --draws 8
 
 Printed: per instruction, the BC rate with zero noise (DSRL's actor at its initialisation) and with
 sampled noise (mean over draws), and best-of-n; then the averages. The last line is one JSON object.
@@ -52,7 +52,8 @@ def run(args) -> dict:
 
     torch.set_num_threads(1)
     policy = load_policy(args.checkpoint).eval()
-    env = envs.make(args.task, num_envs=args.num_envs, seed=0, **policy.env_options())
+    task_options = {"max_episode_steps": args.max_episode_steps} if args.max_episode_steps else None
+    env = envs.make(args.task, num_envs=args.num_envs, seed=0, task_options=task_options, **policy.env_options())
     outcomes: dict[str, list[list[bool]]] = {}  # label -> per draw, per episode
     texts: list[str] = []
     try:
@@ -97,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--draws", type=int, default=8, help="n of best-of-n")
     parser.add_argument("--noise-bound", type=float, default=1.5, help="DSRL's noise box (configs/algo/dsrl.yaml)")
     parser.add_argument("--eval-seed", type=int, default=1000)
+    parser.add_argument("--max-episode-steps", type=int, help="the task's time limit (default: the task's; "
+                        "vla_table's MT50 protocol: 100)")
     args = parser.parse_args(argv)
     if args.draws < 1 or args.episodes < 1 or args.num_envs < 1 or args.noise_bound <= 0:
         parser.error("--draws, --episodes and --num-envs must be >= 1 and --noise-bound > 0")

@@ -71,6 +71,8 @@ LEGACY_ACTOR_DEFAULTS: dict[str, dict[str, Any]] = {
     "residual": {"learn_std": True, "chunk_critic": False},
     "dppo": {"eta": 1.0, "min_sampling_std": 0.1, "min_logprob_std": 0.1},
     "fpo": {"action_noise": 0.0, "ratio": "chunk"},
+    "flow_noise": {"min_std": 0.05, "max_std": 0.2, "logprob_reduce": "mean"},
+    "flow_sde": {"logprob_reduce": "mean"},
 }
 
 

@@ -31,11 +31,11 @@ class FlowNoiseActor(ChainActor):
         self,
         policy,
         num_envs: int = 1,
-        min_std: float = 0.05,
-        max_std: float = 0.2,
+        min_std: float = 0.08,
+        max_std: float = 0.16,
         noise_hidden: int = 128,
         critic_hidden: int = 256,
-        logprob_reduce: str = "mean",
+        logprob_reduce: str = "none",
     ):
         super().__init__(policy, critic_hidden, logprob_reduce)
         if not 0 < min_std <= max_std:

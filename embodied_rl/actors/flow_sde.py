@@ -29,7 +29,7 @@ class FlowSDEActor(ChainActor):
         noise_level: float = 0.5,
         min_std: float = 0.01,
         critic_hidden: int = 256,
-        logprob_reduce: str = "mean",
+        logprob_reduce: str = "sum",
     ):
         super().__init__(policy, critic_hidden, logprob_reduce)
         if noise_level <= 0 or min_std <= 0:

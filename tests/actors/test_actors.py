@@ -93,7 +93,7 @@ def test_flow_noise_std_stays_in_its_bounds():
 
 def test_flow_sde_noise_follows_pi_rls_schedule_and_sum_bounds_the_chunk():
     policy = tiny_policy("flow", 4)
-    actor = make_actor("flow_sde", policy, 5, noise_level=0.5)
+    actor = make_actor("flow_sde", policy, 5, noise_level=0.5, logprob_reduce="mean")
     # sigma_i = a sqrt((1 - t_i) / t_i), t_0 read as dt (std sigma_0 sqrt(dt) = a), shrinking to the data
     assert actor.step_levels == pytest.approx([0.5 * 2, 0.5 * math.sqrt(3), 0.5, 0.5 * math.sqrt(1 / 3)])
     diffusion = make_actor("flow_sde", tiny_policy("diffusion", 3), 5, noise_level=0.5)
