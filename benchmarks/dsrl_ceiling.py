@@ -42,7 +42,8 @@ class NoiseDrawRunner(PolicyRunner):
         shape = (len(envs), *self.policy.noise_shape)
         noise = (torch.zeros(shape) if self.draws is None
                  else torch.randn(shape, generator=self.draws).clamp(-self.bound, self.bound))
-        return executed_actions(self.policy, self.policy.predict_chunk(subset, noise=noise)).float()
+        chunk = self.policy.predict_chunk(subset, noise=noise.to(self.policy.device))
+        return executed_actions(self.policy, chunk).float()
 
 
 def run(args) -> dict:

@@ -36,7 +36,6 @@ class FlowSDEActor(ChainActor):
             raise ValueError(f"noise_level and min_std must be > 0, got {noise_level}, {min_std}")
         self._config = dict(noise_level=noise_level, min_std=min_std, critic_hidden=critic_hidden,
                             logprob_reduce=logprob_reduce)
-        self.noise_level = noise_level
         # the noise level of each grid step (the policy's schedule of the scale a)
         self.step_levels = [policy.sde_noise_level(i, noise_level) for i in range(policy.num_inference_steps)]
         # DDIM's last step has std 0 at any eta; a floor keeps that step's likelihood finite
