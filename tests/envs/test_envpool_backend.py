@@ -137,3 +137,13 @@ def test_task_config_keys_are_checked():
     assert env.max_episode_steps == 50
     env.close()
     assert np.isfinite(envs.registry.task_class("metaworld/MT50").obs_dim)
+
+
+def test_a_group_may_not_straddle_two_suite_tasks():
+    env = envs.make("metaworld/MT10", num_envs=20, seed=0)  # two envs per task
+    with pytest.raises(UserError, match="group_size=4 must divide the envs per task: 20 envs over 10 tasks give 2 "
+                                        r"each \(choose num_envs a multiple of 40\)"):
+        env.reset(group_size=4)
+    grouped, _ = env.reset(group_size=2)
+    assert torch.equal(grouped["state"][0], grouped["state"][1])
+    env.close()

@@ -209,7 +209,10 @@ class EnvPoolEnv(BatchedEnv):
                              "reset(seed=...) and reset(group_size=...) take no env_ids")
         if (group_size or 1) > 1:
             if self.per_pool % group_size:
-                raise ValueError(f"group_size {group_size} must divide the envs per task ({self.per_pool})")
+                # a group must start from one state of one task: it may not straddle two tasks' envs
+                raise UserError(f"group_size={group_size} must divide the envs per task: {self.num_envs} envs over "
+                                f"{len(self.env_ids)} tasks give {self.per_pool} each (choose num_envs a multiple of "
+                                f"{len(self.env_ids) * group_size})")
             if seed is not None:
                 self.generator.manual_seed(int(seed))
             groups = torch.randint(0, 2**31 - 1, (self.num_envs // group_size,), generator=self.generator)
