@@ -211,6 +211,13 @@ def collect_ppo(env, henv, actor, obs, num_steps: int, loop: FinetuneLoop, spars
 
 
 @torch.no_grad()
+def explained_variance(prediction: torch.Tensor, target: torch.Tensor) -> float | None:
+    """1 - Var(target - prediction) / Var(target): 1 for a perfect critic, 0 for one that predicts
+    the mean, negative for worse; None when the targets do not vary."""
+    variance = target.var()
+    return None if variance == 0 else float(1 - (target - prediction).var() / variance)
+
+
 def collect_grpo(env, henv, actor, group_size: int, max_mdp_steps: int, sparse_reward: bool = False):
     """One episode per env from G-fold shared initial states. Returns (batch, stats); the
     episodes' env steps are counted by the caller (every env runs until the last one ends)."""
@@ -327,6 +334,8 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         flat_stash = {k: _flat(v) for k, v in batch["stash"].items()}
         valid = flat["valid"].bool()
         advantage = flat["advantage"]
+        if not grpo:  # how much of the returns' variance the rollout's values explain (SB3's, CleanRL's)
+            value_fit = explained_variance(flat["value"], flat["return"])
         if algo.norm_adv and int(distributed.all_sum(valid.sum())) > 1:
             advantage = distributed.masked_whiten(advantage, valid) * valid  # over every rank's batch
         batch_size = flat["logprob"].shape[0]
@@ -408,6 +417,8 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
             log["train/first_minibatch_ratio_dev"] = first_ratio_dev
         if grpo:
             log["train/informative_groups"] = stats["informative_groups"]
+        elif value_fit is not None:
+            log["train/explained_variance"] = value_fit
         loop.log(log)
         loop.boundary(loop_state)
 

@@ -5,7 +5,7 @@ import torch
 
 from embodied_rl import core
 from embodied_rl.actors.base import ActorOutput, HistoryEnv, ObsHistory
-from embodied_rl.algos.ppo import collect_grpo, collect_ppo
+from embodied_rl.algos.ppo import collect_grpo, collect_ppo, explained_variance
 
 
 class CountingEnv:
@@ -127,3 +127,11 @@ def test_potential_shaping_pays_progress_and_skips_the_first_step_of_an_episode(
     assert shaping(torch.tensor([0.8]), yes).tolist() == [2.0 * (0.5 * 0.8 - 0.4)]  # episode ends
     assert shaping(torch.tensor([0.1]), no).tolist() == [0.0]  # a new episode starts
     assert torch.allclose(shaping(torch.tensor([0.1]), no), torch.tensor([2.0 * (0.05 - 0.1)]))
+
+
+def test_explained_variance_of_perfect_mean_and_constant_predictions():
+    target = torch.tensor([0.0, 1.0, 2.0, 5.0])
+    assert explained_variance(target.clone(), target) == 1.0
+    assert abs(explained_variance(torch.full_like(target, 2.0), target)) < 1e-6  # the mean explains nothing
+    assert explained_variance(-target, target) < 0  # worse than the mean
+    assert explained_variance(target, torch.ones(4)) is None  # nothing to explain
