@@ -1,7 +1,7 @@
 """What every fine-tuning algorithm shares: the run's bookkeeping, so that each algorithm's own
 loop reads top to bottom in its file (CleanRL style) and calls this at its boundaries.
 
-    loop = FinetuneLoop(cfg, run, make_eval_agent)
+    loop = FinetuneLoop(cfg, run, EnvEvaluation(cfg, run, make_eval_agent))
     saved = loop.resume(modules={"actor": actor}, optimizers={"optimizer": opt})  # None: fresh
     ...restore the algorithm's own loop state from `saved` (env state, obs, replay, ...)...
     loop.start()                               # evaluates the base policy at step 0 (fresh runs)
@@ -14,6 +14,10 @@ loop reads top to bottom in its file (CleanRL style) and calls this at its bound
                                                # (checkpoint_every), each on its own schedule
     return loop.finish(loop_state)             # last checkpoint, final evaluation, headline
 
+The language RL loop (lm/rl.py) runs on the same helper: it counts its iterations
+(`FinetuneLoop(schedule, run, evaluation, counter="steps")`, `loop.step`, `loop.total`) and
+supplies its own evaluation (held-out pass@1) and checkpoint files (the model and tokenizer).
+
 - Reward: `reward_settings(cfg)` parses `algo.reward` and `algo.bootstrap_truncation` once.
 - Checkpoints: checkpoints/<step>/ (agent files that `embodied_rl.actors.load_agent` reads, plus
   training_state/) and checkpoints/last, a symlink to the newest. A checkpoint directory is
@@ -24,8 +28,9 @@ loop reads top to bottom in its file (CleanRL style) and calls this at its bound
 - Best checkpoint: every periodic evaluation (step 0 and the final one included) that scores at
   least the best so far (ties go to the later one) writes its agent as checkpoints/best, a
   symlink swapped in one rename, with best.json (step, success rate and interval, return, and
-  the episodes, envs and seed that scored it). It is not a numbered checkpoint, so pruning never
-  deletes it; a resumed run reads best.json back and goes on comparing against it.
+  the episodes, envs and seed that scored it; a language run's pass@1, interval, problems and
+  seed). It is not a numbered checkpoint, so pruning never deletes it; a resumed run reads
+  best.json back and goes on comparing against it.
 - Exact resume: a checkpoint holds the trainable modules and optimisers, every RNG, and the
   algorithm's loop state (env state, per-env histories and queues, replay buffer), so a resumed
   run continues as if never stopped. `save_replay=false` leaves the replay buffer out (smaller
@@ -279,11 +284,13 @@ def write_checkpoint(root: str | Path, step: int, fill: Callable[[Path], None]) 
     return target
 
 
+SCORES = ("pass@1", "success_rate", "return")  # what best.json's score is, in order of preference
+
+
 def score(record: dict[str, Any]) -> float:
-    """What makes a checkpoint the best: its evaluation's success rate, or its mean return on a
-    task without a success signal."""
-    rate = record.get("success_rate")
-    return float(record["return"] if rate is None else rate)
+    """What makes a checkpoint the best: its evaluation's pass@1 (language) or success rate, or
+    its mean return on a task without a success signal."""
+    return float(next(record[key] for key in SCORES if record.get(key) is not None))
 
 
 def saved_env_step(path: str | Path) -> int | None:
@@ -304,7 +311,8 @@ def read_best(root: str | Path) -> dict[str, Any] | None:
         record = json.loads((Path(root) / BEST / BEST_RECORD).read_text())
     except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) and "step" in record and "return" in record else None
+    scored = isinstance(record, dict) and any(record.get(key) is not None for key in SCORES)
+    return record if scored and "step" in record else None
 
 
 def write_best(root: str | Path, record: dict[str, Any], fill: Callable[[Path], None]) -> Path:
@@ -336,39 +344,100 @@ def write_best(root: str | Path, record: dict[str, Any], fill: Callable[[Path], 
 # ---------------------------------------------------------------------------------------------
 
 
-class Evaluator:
-    """Evaluates an agent every `cfg.eval_every` env steps on a separate eval env.
+class EnvEvaluation:
+    """The robot runs' evaluation: `cfg.eval_episodes` episodes of `make_agent(num_envs)` on an
+    eval env of its own (seed + 1, episodes seeded from seed + 12345), videos/step_<step>/
+    holding `cfg.videos` of them.
 
-    `maybe_evaluate(step, make_agent)` runs when `step` crossed the next multiple of
-    eval_every (or `force=True`), logs eval/* scalars at `step` and returns the eval_info
-    (None when it did not run). Videos go to videos/step_<step>/ (cfg.videos of them).
-    Evaluation draws from its own seeds and leaves the global RNGs as it found them, so when and
-    how often a run evaluates never changes its training.
+    What FinetuneLoop asks of an evaluation (lm/rl.py has the language one):
+    `evaluation(step) -> (eval_info, eval/* metrics)`, `record(eval_info)`: what best.json keeps
+    of it (compared by `score`), `headline(eval_info)`: its numbers in the run's headline, `close()`.
+    """
+
+    def __init__(self, cfg: Any, run: Run, make_agent: Callable[[int], Any], env_options: dict[str, Any] | None = None):
+        """`env_options`: envs.make keywords of the observations the agent reads (policy.env_options())."""
+        self.cfg, self.run, self.make_agent = cfg, run, make_agent
+        self.env_options = dict(env_options or {})
+        self.env = None
+
+    def _make_env(self):
+        if self.env is None:
+            from embodied_rl import envs
+
+            num_envs = max(1, min(int(self.cfg.eval_episodes), int(self.cfg.num_envs)))
+            self.env = envs.make(
+                self.cfg.task.name, num_envs=num_envs, backend=self.cfg.backend,
+                device=self.cfg.device, seed=int(self.cfg.seed) + 1, task_options=envs.task_overrides(self.cfg.task),
+                **self.env_options,
+            )
+        return self.env
+
+    def __call__(self, step: int) -> tuple[dict[str, Any], dict[str, float]]:
+        from embodied_rl.eval import evaluate
+
+        env = self._make_env()
+        videos = min(int(self.cfg.videos), int(self.cfg.eval_episodes))
+        info = evaluate(
+            env, self.make_agent(env.num_envs), episodes=int(self.cfg.eval_episodes),
+            seed=int(self.cfg.seed) + 12345, videos=videos,
+            video_dir=self.run.file("videos", f"step_{step}") if videos else None, progress=False,
+        )
+        overall = info["overall"]
+        metrics = {"eval/return": overall["avg_sum_reward"], "eval/episode_length": overall["avg_episode_length"]}
+        if overall.get("success_rate") is not None:
+            low, high = overall["success_ci95"]
+            metrics.update({"eval/success_rate": overall["success_rate"],
+                            "eval/success_rate_low": low, "eval/success_rate_high": high})
+        return info, metrics
+
+    def record(self, info: dict[str, Any]) -> dict[str, Any]:
+        overall = info["overall"]
+        return {"success_rate": overall.get("success_rate"), "success_ci95": overall.get("success_ci95"),
+                "return": overall["avg_sum_reward"],
+                # what `embodied-rl eval` needs to score the same episodes again
+                "episodes": overall["n_episodes"], "num_envs": overall["num_envs"], "seed": overall["seed"]}
+
+    def headline(self, info: dict[str, Any]) -> dict[str, Any]:
+        overall = info["overall"]
+        headline: dict[str, Any] = {}
+        if overall.get("success_rate") is not None:
+            headline["success_rate"] = overall["success_rate"]
+            headline["success_ci95"] = [round(x, 4) for x in overall["success_ci95"]]
+        headline["return"] = overall["avg_sum_reward"]
+        return headline
+
+    def close(self) -> None:
+        if self.env is not None:
+            self.env.close()
+            self.env = None
+
+
+class Evaluator:
+    """Runs the loop's evaluation every `every` steps of its counter (`maybe_evaluate(step)`: when
+    `step` crossed the next multiple of `every`, or `force=True`), logs the evaluation's metrics
+    at `step` and writes its eval_info (with "step") as eval_info.json; returns the eval_info
+    (None when it did not run).
+    Evaluation leaves the global RNGs as it found them, so when and how often a run evaluates
+    never changes its training.
     It is also the run's clock. `eval/train_wall_s` is the training time to reach that point: the
     wall time since the evaluator was made minus the time spent evaluating, plus what earlier
     parts of a resumed run had trained (`clock()` goes into every checkpoint's counters, and a
-    resumed run passes them back as `counters`). The time between a part's last checkpoint and
+    resumed run passes them back as `earlier`). The time between a part's last checkpoint and
     its end is lost with the steps redone after the resume, so every step is counted once.
     """
 
-    def __init__(self, cfg: Any, run: Run, counters: dict[str, Any] | None = None,
-                 env_options: dict[str, Any] | None = None):
-        """`counters`: a resumed run's checkpoint counters (env steps done, the clock so far);
-        `env_options`: envs.make keywords of the observations the agent reads (obs_mode, ...)."""
-        self.env_options = dict(env_options or {})
-        counters = counters or {}
-        last_step = int(counters.get("env_steps", 0))
-        self.cfg = cfg
-        self.run = run
-        self.every = int(cfg.eval_every)
-        self.next_step = (last_step // self.every + 1) * self.every if self.every > 0 else None
-        self.env = None
+    def __init__(self, run: Run, evaluation: Any, every: int, step: int = 0, earlier: dict[str, Any] | None = None):
+        """`step`: where the run starts (a resumed run's checkpoint); `earlier`: that checkpoint's counters."""
+        earlier = earlier or {}
+        self.run, self.evaluation = run, evaluation
+        self.every = int(every)
+        self.next_step = _next_multiple(step, self.every)
         self.last_info: dict[str, Any] | None = None
         self.last_step: int | None = None
         self.start_time = time.perf_counter()
         self.eval_seconds = 0.0
-        self.earlier_wall_s = float(counters.get("wall_s", 0.0))
-        self.earlier_train_wall_s = float(counters.get("train_wall_s", 0.0))
+        self.earlier_wall_s = float(earlier.get("wall_s", 0.0))
+        self.earlier_train_wall_s = float(earlier.get("train_wall_s", 0.0))
 
     def clock(self) -> dict[str, float]:
         """{"wall_s": the run's wall time, "train_wall_s": the same without evaluations}, over
@@ -387,78 +456,30 @@ class Evaluator:
         if isinstance(info, dict) and info.get("step") == step and "overall" in info:
             self.last_info, self.last_step = info, step
 
-    def _make_env(self):
-        if self.env is None:
-            from embodied_rl import envs
-
-            num_envs = max(1, min(int(self.cfg.eval_episodes), int(self.cfg.num_envs)))
-            self.env = envs.make(
-                self.cfg.task.name, num_envs=num_envs, backend=self.cfg.backend,
-                device=self.cfg.device, seed=int(self.cfg.seed) + 1, task_options=envs.task_overrides(self.cfg.task),
-                **self.env_options,
-            )
-        return self.env
-
     def due(self, step: int) -> bool:
         return self.next_step is not None and step >= self.next_step
 
-    def maybe_evaluate(self, step: int, make_agent: Callable[[int], Any], force: bool = False):
+    def maybe_evaluate(self, step: int, force: bool = False) -> dict[str, Any] | None:
         if not (force or self.due(step)):
             return None
-        from embodied_rl.eval import evaluate
-
         train_wall_s = self.clock()["train_wall_s"]
         eval_start = time.perf_counter()
-        env = self._make_env()
-        videos = min(int(self.cfg.videos), int(self.cfg.eval_episodes))
         global_rngs = rng_state()
         try:
-            info = evaluate(
-                env, make_agent(env.num_envs), episodes=int(self.cfg.eval_episodes),
-                seed=int(self.cfg.seed) + 12345, videos=videos,
-                video_dir=self.run.file("videos", f"step_{step}") if videos else None, progress=False,
-            )
+            info, metrics = self.evaluation(step)
         finally:
             set_rng_state(global_rngs)
-        overall = info["overall"]
-        metrics = {"eval/return": overall["avg_sum_reward"], "eval/episode_length": overall["avg_episode_length"],
-                   "eval/train_wall_s": train_wall_s}
-        if overall.get("success_rate") is not None:
-            low, high = overall["success_ci95"]
-            metrics.update({"eval/success_rate": overall["success_rate"],
-                            "eval/success_rate_low": low, "eval/success_rate_high": high})
-        self.run.log(step, metrics)
+        self.run.log(step, {**metrics, "eval/train_wall_s": train_wall_s})
         atomic_write_json(self.run.file("eval_info.json"), {**info, "step": int(step)})
         if self.every > 0:
-            self.next_step = (step // self.every + 1) * self.every
+            self.next_step = _next_multiple(step, self.every)
         self.last_info = info
         self.last_step = int(step)
         self.eval_seconds += time.perf_counter() - eval_start
         return info
 
     def close(self) -> None:
-        if self.env is not None:
-            self.env.close()
-            self.env = None
-
-
-def headline_from_eval(info: dict[str, Any] | None, env_steps: int, run: Run,
-                       best: dict[str, Any] | None) -> dict[str, Any]:
-    """The last evaluation's numbers, the env steps, checkpoints/last and, when the run has one,
-    the record of checkpoints/best (`best`, its path `best_checkpoint`)."""
-    headline: dict[str, Any] = {}
-    if info is not None:
-        overall = info["overall"]
-        if overall.get("success_rate") is not None:
-            headline["success_rate"] = overall["success_rate"]
-            headline["success_ci95"] = [round(x, 4) for x in overall["success_ci95"]]
-        headline["return"] = overall["avg_sum_reward"]
-    headline["env_steps"] = int(env_steps)
-    headline["checkpoint"] = str(run.file("checkpoints", "last"))
-    if best is not None:
-        headline["best"] = best
-        headline["best_checkpoint"] = str(run.file("checkpoints", BEST))
-    return headline
+        self.evaluation.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -517,25 +538,29 @@ def first_non_finite(tensors: dict[str, Any]) -> str | None:
 class FinetuneLoop:
     """The bookkeeping of one fine-tuning run (see the module docstring for the calling pattern).
 
-    `counters` are the run's JSON counters (`env_steps`, `episodes` and whatever the algorithm
+    `settings` hold its schedule: `<counter>` (the total to reach), `log_every`, `eval_every`,
+    `checkpoint_every` (in counts) and, for algorithms with a replay buffer, `save_replay`;
+    a robot run passes its finetune config. `counter` names what the loop counts: `env_steps`
+    (robot runs), `steps` (the language RL's iterations). `evaluation` is what an evaluation
+    runs (`EnvEvaluation` for robot runs; its contract there).
+    `counters` are the run's JSON counters (`counter`, `episodes` and whatever the algorithm
     adds, e.g. PPO's `iteration`); they go into every checkpoint and come back on resume.
     """
 
-    def __init__(self, cfg: Any, run: Run, make_eval_agent: Callable[[int], Any],
-                 env_options: dict[str, Any] | None = None):
-        self.cfg, self.run = cfg, run
-        self.make_eval_agent = make_eval_agent
-        self.env_options = dict(env_options or {})  # the eval env's observations (policy.env_options())
-        self.total_env_steps = int(cfg.env_steps)
-        self.checkpoint_every = int(cfg.checkpoint_every)
-        self.log_every = int(cfg.log_every)
-        self.save_replay = bool(cfg.save_replay)
-        self.counters: dict[str, Any] = {"env_steps": 0, "episodes": 0}
+    def __init__(self, settings: Any, run: Run, evaluation: Any, counter: str = "env_steps"):
+        self.run, self.evaluation, self.counter = run, evaluation, counter
+        self.unit = counter.replace("_", " ").removesuffix("s")  # how messages name a count: "env step 40"
+        self.total = int(settings[counter])
+        self.eval_every = int(settings["eval_every"])
+        self.checkpoint_every = int(settings["checkpoint_every"])
+        self.log_every = int(settings["log_every"])
+        self.save_replay = bool(settings.get("save_replay", True))
+        self.counters: dict[str, Any] = {counter: 0, "episodes": 0}
         self.modules: dict[str, Any] = {}
         self.optimizers: dict[str, Any] = {}
         self.write_agent: Callable[[Path], None] | None = None
         self.resumed_from: Path | None = None
-        self.saved_step: int | None = None  # the env step of the newest checkpoint this run holds
+        self.saved_step: int | None = None  # the step of the newest checkpoint this run holds
         self.episode_returns: list[float] = []  # this rank's episodes finished since the last sync
         self.episode_successes: list[float] = []
         self.window_returns: list[float] = []  # every rank's episodes of the current logging window
@@ -545,8 +570,17 @@ class FinetuneLoop:
         self.bar = None
 
     @property
-    def env_steps(self) -> int:
-        return int(self.counters["env_steps"])
+    def step(self) -> int:
+        """How far the run is, in its counter."""
+        return int(self.counters[self.counter])
+
+    @property
+    def env_steps(self) -> int:  # the robot loops' name of `step`
+        return self.step
+
+    @property
+    def total_env_steps(self) -> int:  # the robot loops' name of `total`
+        return self.total
 
     # ---- start ----
 
@@ -559,9 +593,11 @@ class FinetuneLoop:
         (with "replay" when saved); None for a fresh run."""
         self.modules, self.optimizers, self.write_agent = modules, optimizers, write_agent
 
-        def read(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+        def read(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
             state_dir = path / TRAINING_STATE
             state = torch.load(state_dir / "state.pt", weights_only=True)
+            if "modules" not in state:  # an older layout: refused below, never set aside as unreadable
+                return state, None
             saved_optimizers = torch.load(state_dir / "optimizers.pt", weights_only=True)
             if distributed.rank() > 0:  # this rank's own RNGs, loop state and replay shard
                 state.update(torch.load(state_dir / f"rank_{distributed.rank()}.pt", weights_only=True))
@@ -592,7 +628,7 @@ class FinetuneLoop:
             self.counters.pop("step", None)
             self.window_returns = state["window"]["returns"].tolist()
             self.window_successes = state["window"]["successes"].tolist()
-            self.saved_step = self.env_steps
+            self.saved_step = self.step
             loop_state = dict(state["loop"])
             if state.get("replay") is not None:
                 loop_state["replay"] = state["replay"]
@@ -600,40 +636,40 @@ class FinetuneLoop:
                 loop_state["replay"] = torch.load(state_dir / REPLAY, weights_only=True)
             self.resumed_from = path
         # the steps after the checkpoint are redone; a run stopped before its first checkpoint starts over
-        self.run.forget_metrics_after(self.env_steps if path is not None else -1)
-        self.evaluator = Evaluator(self.cfg, self.run, counters=self.counters, env_options=self.env_options)
+        self.run.forget_metrics_after(self.step if path is not None else -1)
+        self.evaluator = Evaluator(self.run, self.evaluation, self.eval_every, self.step, self.counters)
         if path is not None and distributed.is_main():
-            self.evaluator.recall(self.env_steps)
+            self.evaluator.recall(self.step)
         if distributed.is_main():
             self.best = read_best(self.run.file("checkpoints"))
-        self.next_log = _next_multiple(self.env_steps, self.log_every)
-        self.next_checkpoint = _next_multiple(self.env_steps, self.checkpoint_every)
+        self.next_log = _next_multiple(self.step, self.log_every)
+        self.next_checkpoint = _next_multiple(self.step, self.checkpoint_every)
         return loop_state
 
     def start(self, desc: str) -> None:
-        """Evaluate the base policy at step 0 (fresh runs) and show the progress bar (rank 0). A
+        """Evaluate the starting model at step 0 (fresh runs) and show the progress bar (rank 0). A
         resumed run whose checkpoint was evaluated before the stop weighs that evaluation for
         checkpoints/best (a kill may have come between the two writes)."""
         if self.resumed_from is None and self.evaluator.every > 0 and distributed.is_main():
             self.evaluate(0, force=True)
-        elif self.evaluator.last_step == self.env_steps and (self.best or {}).get("step") != self.env_steps:
+        elif self.evaluator.last_step == self.step and (self.best or {}).get("step") != self.step:
             # the checkpoint's evaluation ran before the stop, which may have come before its best was written
-            self._keep_if_best(self.env_steps, self.evaluator.last_info)
-        self.bar = progress(total=self.total_env_steps, desc=desc, show=distributed.is_main(),
-                            initial=min(self.env_steps, self.total_env_steps))
+            self._keep_if_best(self.step, self.evaluator.last_info)
+        self.bar = progress(total=self.total, desc=desc, show=distributed.is_main(),
+                            initial=min(self.step, self.total))
 
     # ---- every step or iteration ----
 
-    def advance(self, env_steps: int, info: dict[str, Any] | None = None) -> None:
-        """Count `env_steps` more env steps of this rank (every rank steps as many: the job's
-        count grows by world_size times that); record the episodes `info` reports finished."""
-        env_steps = int(env_steps) * distributed.world_size()
-        self.counters["env_steps"] += env_steps
+    def advance(self, count: int, info: dict[str, Any] | None = None) -> None:
+        """Count `count` more of this rank's steps (every rank steps as many: the job's count
+        grows by world_size times that); record the episodes `info` reports finished."""
+        count = int(count) * distributed.world_size()
+        self.counters[self.counter] += count
         if info is not None and bool(info["_episode"].any()):
             ended = info["_episode"]
             self.record_episodes(info["episode"]["return"][ended].tolist(),
                                  info["episode"]["success_once"][ended].float().tolist())
-        self.bar.update(env_steps)
+        self.bar.update(count)
 
     def record_episodes(self, returns: list[float], successes: list[float]) -> None:
         """This rank's finished episodes; they count (counters["episodes"]) once synced."""
@@ -653,19 +689,16 @@ class FinetuneLoop:
         """Stop the run (Diverged, exit code 3) when `value` is not finite; its row is logged."""
         value = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
         if not math.isfinite(value):
-            self.run.log(self.env_steps, {**(metrics or {}), quantity: value})
-            self._diverged(quantity)
+            self.run.log(self.step, {**(metrics or {}), quantity: value})
+            raise diverged(f"{self.unit} {self.step}", quantity, self._saved())
 
     def _saved(self) -> str | None:
-        return None if self.saved_step is None else f"env step {self.saved_step}"
-
-    def _diverged(self, quantity: str) -> None:
-        raise diverged(f"env step {self.env_steps}", quantity, self._saved())
+        return None if self.saved_step is None else f"{self.unit} {self.saved_step}"
 
     def log(self, metrics: dict[str, Any], force: bool = False) -> bool:
         """Write one metrics row (with the episodes finished since the last row) when the logging
-        window (`log_every` env steps) is full, or `force`. Returns whether it wrote."""
-        if not force and self.next_log is not None and self.env_steps < self.next_log:
+        window (`log_every` counts) is full, or `force`. Returns whether it wrote."""
+        if not force and self.next_log is not None and self.step < self.next_log:
             return False
         self._sync_episodes()
         row = dict(metrics)
@@ -674,38 +707,34 @@ class FinetuneLoop:
             row["rollout/success_rate"] = sum(self.window_successes) / len(self.window_successes)
             row["rollout/episodes"] = len(self.window_returns)
             self.window_returns, self.window_successes = [], []
-        self.run.log(self.env_steps, row)
-        self.next_log = _next_multiple(self.env_steps, self.log_every)
+        self.run.log(self.step, row)
+        self.next_log = _next_multiple(self.step, self.log_every)
         return True
 
     def boundary(self, loop_state: Callable[[], dict[str, Any]]) -> None:
         """Where the loop may stop and resume: evaluate when eval_every is due and checkpoint when
         checkpoint_every is due (`loop_state()` is called only then)."""
-        if self.env_steps < self.total_env_steps and distributed.is_main():
-            info = self.evaluate(self.env_steps)
+        if self.step < self.total and distributed.is_main():
+            info = self.evaluate(self.step)
             if info is not None and info["overall"].get("success_rate") is not None:
                 self.bar.set_postfix(success=f"{100 * info['overall']['success_rate']:.0f}%")
-        if self.next_checkpoint is not None and self.env_steps >= self.next_checkpoint:
+        if self.next_checkpoint is not None and self.step >= self.next_checkpoint:
             self.save(loop_state())
 
     def evaluate(self, step: int, force: bool = False) -> dict[str, Any] | None:
-        """Evaluate the agent when eval_every is due at `step` (or `force`; rank 0 only) and keep
-        it as checkpoints/best when it scores at least the best so far: ties go to the later
+        """Evaluate when eval_every is due at `step` (or `force`; rank 0 only) and keep the agent
+        as checkpoints/best when it scores at least the best so far: ties go to the later
         evaluation, the one trained longer. Returns the eval_info, None when it did not run."""
-        info = self.evaluator.maybe_evaluate(step, self.make_eval_agent, force=force)
+        info = self.evaluator.maybe_evaluate(step, force=force)
         if info is not None:
             self._keep_if_best(step, info)
         return info
 
     def _keep_if_best(self, step: int, info: dict[str, Any]) -> None:
-        overall = info["overall"]
-        record = {"step": int(step), "success_rate": overall.get("success_rate"),
-                  "success_ci95": overall.get("success_ci95"), "return": overall["avg_sum_reward"],
-                  # what `embodied-rl eval` needs to score the same episodes again
-                  "episodes": overall["n_episodes"], "num_envs": overall["num_envs"], "seed": overall["seed"]}
+        record = {"step": int(step), **self.evaluation.record(info)}
         if self.best is None or score(record) >= score(self.best):
             modules = {name: module.state_dict() for name, module in self.modules.items()}
-            refuse_non_finite(f"env step {step}", self._saved(), weights=modules)
+            refuse_non_finite(f"{self.unit} {step}", self._saved(), weights=modules)
             write_best(self.run.file("checkpoints"), record, self.write_agent)
             self.best = record
 
@@ -716,8 +745,8 @@ class FinetuneLoop:
         it: the other ranks send rank 0 their RNGs, loop state and replay shard."""
         modules = {name: module.state_dict() for name, module in self.modules.items()}
         optimizers = {name: optimizer.state_dict() for name, optimizer in self.optimizers.items()}
-        refuse_non_finite(f"env step {self.env_steps}", self._saved(), weights=modules)
-        refuse_non_finite(f"env step {self.env_steps}", self._saved(), optimizer=optimizers)
+        refuse_non_finite(f"{self.unit} {self.step}", self._saved(), weights=modules)
+        refuse_non_finite(f"{self.unit} {self.step}", self._saved(), optimizer=optimizers)
         distributed.check_in_sync(self.modules)
         self._sync_episodes()
         loop_state = dict(loop_state)
@@ -726,12 +755,12 @@ class FinetuneLoop:
             replay = None
         other_ranks = distributed.gather_objects(
             None if distributed.is_main() else {"rng": rng_state(), "loop": loop_state, "replay": replay})
-        self.saved_step = self.env_steps
-        self.next_checkpoint = _next_multiple(self.env_steps, self.checkpoint_every)
+        self.saved_step = self.step
+        self.next_checkpoint = _next_multiple(self.step, self.checkpoint_every)
         path = self.run.file("checkpoints", "last")
         if not distributed.is_main():
             return path
-        counters = {**self.counters, **self.evaluator.clock(), "ranks": distributed.world_size(), "step": self.env_steps}
+        counters = {**self.counters, **self.evaluator.clock(), "ranks": distributed.world_size(), "step": self.step}
         window = {"returns": torch.tensor(self.window_returns, dtype=torch.float64),
                   "successes": torch.tensor(self.window_successes, dtype=torch.float64)}
 
@@ -748,21 +777,28 @@ class FinetuneLoop:
                 torch.save(rank_state, state_dir / f"rank_{rank}.pt")
             (state_dir / COUNTERS).write_text(json.dumps(counters) + "\n")  # last: marks it complete
 
-        return write_checkpoint(self.run.file("checkpoints"), self.env_steps, fill)
+        return write_checkpoint(self.run.file("checkpoints"), self.step, fill)
 
     # ---- end ----
 
     def finish(self, loop_state: dict[str, Any]) -> dict[str, Any]:
         """The last checkpoint, the final evaluation (unless one ran at this step) and the
-        headline the CLI prints."""
+        headline: the evaluation's numbers, the count, checkpoints/last and, when the run has
+        one, the record of checkpoints/best (`best`, its path `best_checkpoint`)."""
         if self.bar is not None:
             self.bar.close()
-        if self.saved_step != self.env_steps:
+        if self.saved_step != self.step:
             self.save(loop_state)
         evaluator = self.evaluator
         info = evaluator.last_info
-        if evaluator.every > 0 and evaluator.last_step != self.env_steps and distributed.is_main():
-            info = self.evaluate(self.env_steps, force=True)
+        if evaluator.every > 0 and evaluator.last_step != self.step and distributed.is_main():
+            info = self.evaluate(self.step, force=True)
         evaluator.close()
-        self.run.log(self.env_steps, {"train/wall_s": evaluator.clock()["wall_s"]})
-        return headline_from_eval(info, self.env_steps, self.run, self.best)
+        self.run.log(self.step, {"train/wall_s": evaluator.clock()["wall_s"]})
+        headline = self.evaluation.headline(info) if info is not None else {}
+        headline[self.counter] = self.step
+        headline["checkpoint"] = str(self.run.file("checkpoints", "last"))
+        if self.best is not None:
+            headline["best"] = self.best
+            headline["best_checkpoint"] = str(self.run.file("checkpoints", BEST))
+        return headline

@@ -42,7 +42,13 @@ from embodied_rl.actors.latent_noise import (
     _ScaledActor,
     make_noise_critic,
 )
-from embodied_rl.algos.common import FinetuneLoop, check_values, env_snapshot, reward_settings
+from embodied_rl.algos.common import (
+    EnvEvaluation,
+    FinetuneLoop,
+    check_values,
+    env_snapshot,
+    reward_settings,
+)
 from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart
 from embodied_rl.errors import UserError
 from embodied_rl.policies import executed_actions
@@ -438,7 +444,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     model = make_dsrl(algo, vec_env, seed=int(cfg.seed), device=str(cfg.device))
     config = _agent_config(algo, vec_env)
 
-    loop = FinetuneLoop(cfg, run, noise_agent_factory(model, policy), policy.env_options())
+    loop = FinetuneLoop(cfg, run, EnvEvaluation(cfg, run, noise_agent_factory(model, policy), policy.env_options()))
     saved = loop.resume({"learner": _Learner(model)}, _optimizers(model),
                         lambda path: save_agent(path, AGENT_KIND, config, model.policy.state_dict(), policy))
     if saved is not None:

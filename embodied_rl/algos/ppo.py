@@ -42,6 +42,7 @@ from embodied_rl import core, distributed
 from embodied_rl.actors import make_actor
 from embodied_rl.actors.base import ActorAgent, HistoryEnv, ObsHistory
 from embodied_rl.algos.common import (
+    EnvEvaluation,
     FinetuneLoop,
     check_values,
     env_snapshot,
@@ -285,8 +286,9 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     env_steps_per_iter = num_envs * distributed.world_size() * steps_per_mdp * (max_mdp_steps if grpo else algo.num_steps)
     iterations = max(1, math.ceil(int(cfg.env_steps) / env_steps_per_iter))
 
-    loop = FinetuneLoop(cfg, run, lambda n: ActorAgent(actor.for_eval(n), n, deterministic=True),
-                        policy.env_options())
+    evaluation = EnvEvaluation(cfg, run, lambda n: ActorAgent(actor.for_eval(n), n, deterministic=True),
+                               policy.env_options())
+    loop = FinetuneLoop(cfg, run, evaluation)
     loop.counters["iteration"] = 0
     saved = loop.resume({"actor": actor}, {"optimizer": optimizer}, actor.save)
 

@@ -42,7 +42,7 @@ from embodied_rl.actors.qc_fql import (
     one_step_config,
 )
 from embodied_rl.algos.chunks import ChunkOffPolicy
-from embodied_rl.algos.common import FinetuneLoop, check_values, reward_settings
+from embodied_rl.algos.common import EnvEvaluation, FinetuneLoop, check_values, reward_settings
 from embodied_rl.algos.offpolicy import (
     QEnsemble,
     demo_chunk_transitions,
@@ -209,7 +209,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     def make_agent(n: int) -> OneStepAgent:
         return OneStepAgent(learner.actor, policy, n)
 
-    loop = FinetuneLoop(cfg, run, make_agent, policy.env_options())
+    loop = FinetuneLoop(cfg, run, EnvEvaluation(cfg, run, make_agent, policy.env_options()))
     loop.counters.setdefault("offline_updates", 0)
     saved = loop.resume({"learner": learner}, learner.optimizers(), write_agent)
 

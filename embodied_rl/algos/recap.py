@@ -47,6 +47,7 @@ from embodied_rl.actors import save_agent
 from embodied_rl.actors.base import Critic
 from embodied_rl.actors.recap import AGENT_KIND, IndicatorEmbedding, RecapAgent
 from embodied_rl.algos.common import (
+    EnvEvaluation,
     FinetuneLoop,
     check_values,
     env_snapshot,
@@ -293,7 +294,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     def make_eval_agent(n: int) -> RecapAgent:
         return RecapAgent(policy, indicator, n, algo.guidance)
 
-    loop = FinetuneLoop(cfg, run, make_eval_agent, policy.env_options())
+    loop = FinetuneLoop(cfg, run, EnvEvaluation(cfg, run, make_eval_agent, policy.env_options()))
     loop.counters["iteration"] = 0
     saved = loop.resume({"policy": policy, "indicator": indicator, "value": value},
                         {"policy": policy_optimizer, "value": value_optimizer}, write_agent)

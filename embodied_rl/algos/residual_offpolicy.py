@@ -50,6 +50,7 @@ from embodied_rl.actors.residual_offpolicy import (
     residual_tensors,
 )
 from embodied_rl.algos.common import (
+    EnvEvaluation,
     FinetuneLoop,
     check_values,
     env_snapshot,
@@ -361,7 +362,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     def make_agent(n: int) -> ResidualAgent:
         return ResidualAgent(learner.actor, policy, n, algo.normalize_obs)
 
-    loop = FinetuneLoop(cfg, run, make_agent, policy.env_options())
+    loop = FinetuneLoop(cfg, run, EnvEvaluation(cfg, run, make_agent, policy.env_options()))
     saved = loop.resume({"learner": learner}, learner.optimizers(), write_agent)
     queue = PolicyRunner(policy, num_envs, seed=distributed.rank_seed(seed))
     window: list[dict[str, Tensor]] = []  # the last n_step steps, whose n-step returns are not complete yet

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from embodied_rl.actors.base import gaussian_logprob
 from embodied_rl.algos.chunks import ChunkOffPolicy
-from embodied_rl.algos.common import FinetuneLoop, check_values, reward_settings
+from embodied_rl.algos.common import EnvEvaluation, FinetuneLoop, check_values, reward_settings
 from embodied_rl.algos.offpolicy import (
     QEnsemble,
     demo_chunk_transitions,
@@ -269,7 +269,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     def make_agent(n: int) -> PolicyRunner:
         return PolicyRunner(learner.chain.ft, n)
 
-    loop = FinetuneLoop(cfg, run, make_agent, policy.env_options())
+    loop = FinetuneLoop(cfg, run, EnvEvaluation(cfg, run, make_agent, policy.env_options()))
     saved = loop.resume({"learner": learner}, learner.optimizers(), write_agent)
     data.start(saved, seed + loop.env_steps)
 

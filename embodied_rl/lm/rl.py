@@ -19,9 +19,13 @@ One iteration (hyperparameters: the task config's `lm.rl` section, `RLConfig`):
    any `core.agg_loss` mode) + kl_coef * `core.kl_penalty` (as a loss) - ent_coef * entropy, and
    `core.value_loss` for ppo.
 
-Run directory as the robot finetune: config.yaml, metrics.jsonl + tb/, checkpoints/<step>/ (the
-model and tokenizer files at the top, training_state/ for an exact resume) with checkpoints/last,
-eval_info.json of the final evaluation, report.md with the reward and accuracy curves.
+The run's bookkeeping is the robot finetune's, `algos.common.FinetuneLoop`, counting iterations
+(`steps`) where robot runs count env steps: resume, checkpoints, the evaluation schedule
+(`HeldOutEvaluation`: greedy pass@1 on held-out problems), checkpoints/best, the logging window
+and the divergence guard. Run directory as the robot finetune: config.yaml, metrics.jsonl + tb/,
+checkpoints/<step>/ (the model and tokenizer files at the top, training_state/ for an exact
+resume) with checkpoints/last, checkpoints/best (the model of the best evaluation, best.json),
+eval_info.json of the last evaluation, report.md with the reward and accuracy curves.
 A run_dir holding checkpoints resumes (a larger lm.rl.steps continues training).
 """
 
@@ -38,7 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from embodied_rl import core
 from embodied_rl.core.losses import KL_KINDS
-from embodied_rl.errors import Diverged, UserError
+from embodied_rl.errors import UserError
 from embodied_rl.lm.sampling import Samples, decode_completions, encode_prompt, left_pad, sample
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -260,9 +264,11 @@ def compute_advantages(config: RLConfig, token_rewards: torch.Tensor, mask: torc
 
 
 def validate(cfg: DictConfig) -> RLConfig:
-    from embodied_rl.distributed import check_device
+    from embodied_rl import distributed
     from embodied_rl.lm import refuse_robot_keys
 
+    if distributed.active():  # FinetuneLoop would count every rank's iterations as the job's
+        raise UserError(f"finetune on a language task ({cfg.task.name}) runs in one process; run it without torchrun")
     refuse_robot_keys(cfg, "finetune", USED_KEYS)
     config = RLConfig.from_cfg(str(cfg.algo.name), cfg.lm.rl)
     refuse_algo_keys(cfg)
@@ -272,7 +278,7 @@ def validate(cfg: DictConfig) -> RLConfig:
         value = OmegaConf.select(cfg, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise UserError(f"{key} must be an integer >= {low}, got {value!r}")
-    check_device(cfg.device)
+    distributed.check_device(cfg.device)
     return config
 
 
@@ -287,53 +293,25 @@ def refuse_algo_keys(cfg: DictConfig) -> None:
             raise UserError(f"algo.{key} does not apply to language tasks; set lm.rl.* instead")
 
 
-def save_checkpoint(root: Path, step: int, model: Any, tokenizer: Any, task_record: dict[str, Any],
-                    state: dict[str, Any]) -> Path:
-    """checkpoints/<step>/: the model and tokenizer files, training_state/ (optimizers, critic,
-    RNGs, stream position) and training_state/counters.json last; checkpoints/last points at it."""
-    from embodied_rl.algos.common import COUNTERS, TRAINING_STATE, rng_state, write_checkpoint
-    from embodied_rl.lm.model import save_model
-    from embodied_rl.runs import atomic_write_json
-
-    def fill(path: Path) -> None:
-        save_model(path, model, tokenizer, {**task_record, "step": step})
-        (path / TRAINING_STATE).mkdir()
-        torch.save({**state, "rng": rng_state()}, path / TRAINING_STATE / "state.pt")
-        atomic_write_json(path / TRAINING_STATE / COUNTERS, {"step": step, "problems_drawn": state["problems_drawn"]})
-
-    return write_checkpoint(root, step, fill)
-
-
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     config = validate(cfg)
-    from embodied_rl.algos.common import (
-        TRAINING_STATE,
-        diverged,
-        newest_readable_checkpoint,
-        refuse_non_finite,
-        set_rng_state,
-    )
-    from embodied_rl.lm.evaluate import (
-        check_checkpoint_task,
-        evaluate_model,
-        format_overall,
-        pass1_text,
-        resolve_model_dir,
-    )
-    from embodied_rl.lm.model import context_length, load_model
+    from embodied_rl.algos.common import FinetuneLoop
+    from embodied_rl.eval.stats import before_after, rate_with_interval, start_rate
+    from embodied_rl.lm.evaluate import check_checkpoint_task, resolve_model_dir
+    from embodied_rl.lm.model import context_length, load_model, save_model
     from embodied_rl.lm.sampling import check_fits
     from embodied_rl.lm.tasks import make_task
-    from embodied_rl.runs import check_previous_run, progress, start_run
+    from embodied_rl.runs import check_previous_run, start_run
 
     task = make_task(cfg.task)
-    device = str(cfg.device)
+    device, seed = str(cfg.device), int(cfg.seed)
     base = resolve_model_dir(Path(str(cfg.checkpoint)).expanduser())
     check_checkpoint_task(base, task.name)
     model, tokenizer = load_model(base, device)
     max_new_tokens = int(cfg.task.max_new_tokens)
-    eval_problems = task.problems("test", config.eval_problems, seed=int(cfg.seed))
+    eval_problems = task.problems("test", config.eval_problems, seed=seed)
     check_fits([encode_prompt(tokenizer, p.prompt) for p in eval_problems], max_new_tokens, context_length(model))
-    torch.manual_seed(int(cfg.seed))
+    torch.manual_seed(seed)
     reference = None
     if config.kl_coef > 0:  # the frozen base model
         reference = copy.deepcopy(model).eval().requires_grad_(False)
@@ -341,110 +319,128 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, betas=(0.9, 0.99))
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=config.critic_lr) if critic is not None else None
     task_record = {**OmegaConf.to_container(cfg.task, resolve=True), "base": str(base)}
+    generator = torch.Generator(device=device).manual_seed(seed)
 
+    # ---- run bookkeeping (FinetuneLoop, counting iterations), resumed from the newest checkpoint ----
     check_previous_run(cfg, "finetune", RESUME_MAY_CHANGE)
     run = start_run(cfg, "finetune", allow_existing=True)
-    step, problems_drawn = 0, 0
+    schedule = {"steps": config.steps, "log_every": config.log_every, "checkpoint_every": config.checkpoint_every,
+                # lm.rl.eval_every=0 evaluates at the start and the end only: one period of the whole run
+                "eval_every": config.eval_every or config.steps}
+    evaluation = HeldOutEvaluation(cfg, run, model, tokenizer, task, eval_problems)
+    loop = FinetuneLoop(schedule, run, evaluation, counter="steps")
+    loop.counters["problems_drawn"] = 0  # the position in the training problem stream
+    modules, optimizers = {"model": model}, {"optimizer": optimizer}
+    if critic is not None:
+        modules["critic"], optimizers["critic_optimizer"] = critic, critic_optimizer
 
-    def read(path: Path) -> tuple[Any, dict[str, Any]]:
-        return load_model(path, device)[0], torch.load(path / TRAINING_STATE / "state.pt", weights_only=True)
+    def write_model(directory: Path) -> None:  # a checkpoint's (and checkpoints/best's) files
+        save_model(directory, model, tokenizer, {**task_record, "step": loop.step})
 
-    found = newest_readable_checkpoint(run.file("checkpoints"), read)
-    resumed_from = None if found is None else found[0]
-    generator = torch.Generator(device=device).manual_seed(int(cfg.seed))
-    saved: str | None = None  # the step checkpoints/last holds, for the divergence message
-    if found is not None:
-        print(f"resuming from {resumed_from}")
-        model, state = found[1]
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, betas=(0.9, 0.99))
-        optimizer.load_state_dict(state["optimizer"])
-        if critic is not None:
-            critic.load_state_dict(state["critic"])
-            critic_optimizer.load_state_dict(state["critic_optimizer"])
-        generator.set_state(state["generator"])
-        set_rng_state(state["rng"])
-        step, problems_drawn = int(state["step"]), int(state["problems_drawn"])
-        saved = f"step {step}"
-    # the steps after the checkpoint are redone; a run stopped before its first checkpoint starts over
-    run.forget_metrics_after(step if found is not None else -1)
-    stream = task.stream("train", int(cfg.seed))
-    for _ in range(problems_drawn):  # the problems earlier iterations drew
+    saved = loop.resume(modules, optimizers, write_model)
+    window: list[dict[str, float]] = []  # the iterations' metrics since the last row, averaged into it
+    if saved is not None:
+        print(f"resuming from {loop.resumed_from}")
+        generator.set_state(saved["generator"])
+        window = saved["window"]
+    stream = task.stream("train", seed)
+    for _ in range(loop.counters["problems_drawn"]):  # the problems earlier iterations drew
         next(stream)
 
     def draw(count: int) -> list[Any]:
-        nonlocal problems_drawn
-        problems_drawn += count
+        loop.counters["problems_drawn"] += count
         return [next(stream) for _ in range(count)]
 
-    def evaluate(at_step: int) -> dict[str, Any]:
-        info = evaluate_model(model, tokenizer, task, eval_problems, max_new_tokens=max_new_tokens,
-                              batch_size=int(cfg.lm.batch_size), seed=int(cfg.seed), show=int(cfg.lm.show))
-        low, high = info["overall"]["pass@1_ci95"]
-        run.log(at_step, {"eval/pass@1": info["overall"]["pass@1"], "eval/pass@1_low": low, "eval/pass@1_high": high,
-                          "eval/mean_length": info["overall"]["mean_length"]})
-        return info
+    def loop_state() -> dict[str, Any]:
+        return {"generator": generator.get_state(), "window": window}
 
-    def checkpoint(at_step: int) -> None:
-        nonlocal saved
-        refuse_non_finite(f"step {at_step}", saved, weights=model.state_dict(), optimizer=optimizer.state_dict(),
-                          **({"critic": critic.state_dict()} if critic is not None else {}))
-        state = {"step": at_step, "problems_drawn": problems_drawn, "optimizer": optimizer.state_dict(),
-                 "generator": generator.get_state()}
-        if critic is not None:
-            state.update(critic=critic.state_dict(), critic_optimizer=critic_optimizer.state_dict())
-        save_checkpoint(run.file("checkpoints"), at_step, model, tokenizer, task_record, state)
-        saved = f"step {at_step}"
-
-    before = after = None
     start = time.perf_counter()
     try:
-        if resumed_from is None:
-            before = evaluate(0)
-            print(f"before: {format_overall(before['overall'])}")
-        bar = progress(total=config.steps, desc=f"finetune {config.algo}", initial=step)
-        window: list[dict[str, float]] = []
-        while step < config.steps:
-            try:
-                metrics = iteration(config, model, tokenizer, task, draw, reference, critic, optimizer,
-                                    critic_optimizer, generator, max_new_tokens)
-            except Diverged as error:  # it names the quantity; the step and the checkpoint are known here
-                raise diverged(f"step {step + 1}", str(error), saved) from None
-            step += 1
-            bar.set_postfix(reward=f"{metrics['train/reward']:.3f}")
-            bar.update(1)
+        loop.start(f"finetune {config.algo}")
+        while loop.step < loop.total:
+            loop.advance(1)  # counted before the update, so a divergence in it names this iteration's step
+            metrics = iteration(config, model, tokenizer, task, draw, reference, critic, optimizer, critic_optimizer,
+                                generator, max_new_tokens, loop.check_finite)
+            loop.bar.set_postfix(reward=f"{metrics['train/reward']:.3f}")
             window.append(metrics)
-            if step % config.log_every == 0 or step == config.steps:
-                keys = {key for row in window for key in row}
-                run.log(step, {key: sum(row[key] for row in window if key in row) /
-                               sum(key in row for row in window) for key in sorted(keys)})
+            if loop.log(window_mean(window), force=loop.step == loop.total):
                 window = []
-            if step == config.steps or (config.eval_every and step % config.eval_every == 0):
-                after = evaluate(step)
-            if step == config.steps or (config.checkpoint_every and step % config.checkpoint_every == 0):
-                checkpoint(step)
-        bar.close()
-        if after is None:  # a resumed run that had already finished: evaluate what it holds
-            after = evaluate(step)
+            loop.boundary(loop_state)
+        result = loop.finish(loop_state())
         train_s = time.perf_counter() - start
-        run.write_json("eval_info.json", {"task": task.name, "checkpoint": str(run.file("checkpoints", "last").resolve()),
-                                          "seed": int(cfg.seed), "device": device, "step": step, **after,
-                                          "config": OmegaConf.to_container(cfg, resolve=True)})
-        write_rl_report(run, task.name, config.algo, before, after)
+        write_rl_report(run, task.name, config.algo, evaluation.before, loop.evaluator.last_info)
     finally:
         run.close()
-    from embodied_rl.eval.stats import before_after, start_rate
 
-    headline: dict[str, Any] = {"task": task.name, "algo": config.algo, "steps": step}
-    headline["pass@1"] = before_after(pass1_text(after["overall"]), start_rate(run.read_metrics(), "eval/pass@1"))
+    headline: dict[str, Any] = {"task": task.name, "algo": config.algo, "steps": loop.step}
+    headline["pass@1"] = before_after(result["pass@1"], start_rate(run.read_metrics(), "eval/pass@1"))
+    if loop.best is not None:
+        best = loop.best
+        headline["best"] = f"{rate_with_interval(best['pass@1'], best['pass@1_ci95'])} at step {best['step']}"
     headline["train_s"] = train_s
-    headline["checkpoint"] = str(run.file("checkpoints", "last"))
+    headline["checkpoint"] = result["checkpoint"]
+    if "best_checkpoint" in result:
+        headline["best_checkpoint"] = result["best_checkpoint"]
     return headline, run.path
 
 
+class HeldOutEvaluation:
+    """What FinetuneLoop's evaluations run (the robot runs' `EnvEvaluation` contract): greedy
+    pass@1 on `lm.rl.eval_problems` held-out problems, the same ones every time."""
+
+    def __init__(self, cfg: DictConfig, run: Any, model: Any, tokenizer: Any, task: Any, problems: list[Any]):
+        self.cfg, self.run, self.task, self.problems = cfg, run, task, problems
+        self.model, self.tokenizer = model, tokenizer
+        self.before: dict[str, Any] | None = None  # the step-0 evaluation (a fresh run's), for the report
+
+    def __call__(self, step: int) -> tuple[dict[str, Any], dict[str, float]]:
+        from embodied_rl.lm.evaluate import evaluate_model, format_overall
+
+        cfg = self.cfg
+        info = evaluate_model(self.model, self.tokenizer, self.task, self.problems,
+                              max_new_tokens=int(cfg.task.max_new_tokens), batch_size=int(cfg.lm.batch_size),
+                              seed=int(cfg.seed), show=int(cfg.lm.show))
+        overall = info["overall"]
+        if step == 0:
+            self.before = info
+            print(f"before: {format_overall(overall)}")
+        low, high = overall["pass@1_ci95"]
+        metrics = {"eval/pass@1": overall["pass@1"], "eval/pass@1_low": low, "eval/pass@1_high": high,
+                   "eval/mean_length": overall["mean_length"]}
+        # the checkpoint holding the weights scored, where one was written at this step (the final
+        # evaluation comes after the run's last checkpoint)
+        checkpoint = self.run.file("checkpoints", str(step))
+        saved = {"checkpoint": str(checkpoint.resolve())} if checkpoint.is_dir() else {}
+        return {"task": self.task.name, **saved, "seed": int(cfg.seed), "device": str(cfg.device), **info,
+                "config": OmegaConf.to_container(cfg, resolve=True)}, metrics
+
+    def record(self, info: dict[str, Any]) -> dict[str, Any]:
+        """best.json: `eval lm.problems=<problems> seed=<seed>` scores the same problems again."""
+        overall = info["overall"]
+        return {"pass@1": overall["pass@1"], "pass@1_ci95": overall["pass@1_ci95"], "problems": overall["n_problems"],
+                "seed": int(self.cfg.seed)}
+
+    def headline(self, info: dict[str, Any]) -> dict[str, Any]:
+        from embodied_rl.lm.evaluate import pass1_text
+
+        return {"pass@1": pass1_text(info["overall"])}
+
+    def close(self) -> None:
+        pass
+
+
+def window_mean(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Each key's mean over the rows that have it."""
+    keys = sorted({key for row in rows for key in row})
+    return {key: sum(row[key] for row in rows if key in row) / sum(key in row for row in rows) for key in keys}
+
+
 def iteration(config: RLConfig, model: Any, tokenizer: Any, task: Any, draw: Any, reference: Any, critic: Any,
-              optimizer: Any, critic_optimizer: Any, generator: torch.Generator, max_new_tokens: int) -> dict[str, float]:
-    """Sample, score, compute advantages and update once; returns the iteration's metrics. A
-    non-finite loss or gradient norm raises Diverged naming the quantity, before the update."""
+              optimizer: Any, critic_optimizer: Any, generator: torch.Generator, max_new_tokens: int,
+              check_finite: Any) -> dict[str, float]:
+    """Sample, score, compute advantages and update once; returns the iteration's metrics. The
+    loss and the gradient norm go through `check_finite(quantity, value)` (FinetuneLoop's: a
+    non-finite one stops the run) before the update."""
     start = time.perf_counter()
     group_size = config.group_size
     batches, scores, kept_problems = [], [], []
@@ -526,13 +522,11 @@ def iteration(config: RLConfig, model: Any, tokenizer: Any, task: Any, draw: Any
                 entropy = core.agg_loss(out["entropy"], part_mask, config.loss_agg)
                 loss = loss - config.ent_coef * entropy
                 parts["entropy"] = entropy.detach()
-            if not torch.isfinite(loss):
-                raise Diverged("train/loss")
+            check_finite("train/loss", loss)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             parts["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-            if not torch.isfinite(parts["grad_norm"]):
-                raise Diverged("train/grad_norm")
+            check_finite("train/grad_norm", parts["grad_norm"])
             optimizer.step()
             if critic is not None:
                 value_loss, value_info = core.value_loss(critic(part), values[index], returns[index], part_mask,

@@ -8,10 +8,24 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
-from embodied_rl.algos.common import FinetuneLoop, read_best, write_best
+from embodied_rl.algos.common import EnvEvaluation, FinetuneLoop, read_best, write_best
 from embodied_rl.cli import main
 from embodied_rl.runs import Run, read_metrics
 from tests.test_finetune_cli import TINY, checkpoints  # noqa: F401  (a module fixture)
+
+
+class Scores(EnvEvaluation):
+    """Evaluations that score `scores[step]`, without an env."""
+
+    def __init__(self, cfg, run, scores):
+        super().__init__(cfg, run, make_agent=None)
+        self.scores = scores
+
+    def __call__(self, step):
+        rate = self.scores[step]
+        info = {"overall": {"success_rate": rate, "success_ci95": [rate / 2, (1 + rate) / 2], "avg_sum_reward": rate,
+                            "n_episodes": 4, "num_envs": 4, "seed": 12345}}
+        return info, {"eval/success_rate": rate}
 
 
 def loop_with_scores(run_dir, scores):
@@ -20,19 +34,12 @@ def loop_with_scores(run_dir, scores):
     cfg = OmegaConf.create({"env_steps": 1000, "checkpoint_every": 10, "log_every": 10, "save_replay": True,
                             "eval_every": 10})
     run = Run(run_dir, allow_existing=True)
-    loop = FinetuneLoop(cfg, run, make_eval_agent=None)
+    loop = FinetuneLoop(cfg, run, Scores(cfg, run, scores))
 
     def write_agent(directory):
         (directory / "agent.json").write_text(json.dumps({"written_at": loop.env_steps}))
 
     loop.resume({}, {}, write_agent)
-
-    def fake_evaluate(step, make_agent, force=False):
-        rate = scores[step]
-        return {"overall": {"success_rate": rate, "success_ci95": [rate / 2, (1 + rate) / 2], "avg_sum_reward": rate,
-                            "n_episodes": 4, "num_envs": 4, "seed": 12345}}
-
-    loop.evaluator.maybe_evaluate = fake_evaluate
     return loop
 
 
@@ -89,8 +96,7 @@ def test_a_kill_between_the_evaluation_and_its_best_is_made_good_on_resume(tmp_p
     run_to(first, [0, 10])
     first.counters["env_steps"] = 20
     first.save({})  # the end of a run: its last checkpoint, then the final evaluation...
-    info = first.evaluator.maybe_evaluate(20, None)
-    first.run.write_json("eval_info.json", {**info, "step": 20})  # ...killed before its best was written
+    first.evaluator.maybe_evaluate(20)  # ...writes eval_info.json, killed before its best was written
     first.run.close()
     resumed = loop_with_scores(run_dir, scores)
     resumed.start("finetune")  # the evaluation at step 20 is recalled, not run again

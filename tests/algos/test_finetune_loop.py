@@ -97,7 +97,7 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path):
                             "eval_every": 0})
     net = torch.nn.Linear(2, 2)
     run = Run(tmp_path / "run")
-    loop = FinetuneLoop(cfg, run, make_eval_agent=None)
+    loop = FinetuneLoop(cfg, run, evaluation=None)  # eval_every=0: never evaluates
     loop.resume({"net": net}, {}, write_agent=lambda directory: None)
     loop.counters["env_steps"] = 10
     loop.save({})
@@ -108,6 +108,24 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path):
         loop.save({})
     last = torch.load(run.file("checkpoints", "last", "training_state", "state.pt"), weights_only=True)
     assert torch.isfinite(last["modules"]["net"]["weight"]).all()
+    run.close()
+
+
+def test_a_loop_counts_what_its_caller_names(tmp_path):
+    """The language RL loop counts iterations (`steps`), not env steps: in its schedule, its
+    counters and its messages."""
+    settings = {"steps": 6, "checkpoint_every": 2, "log_every": 1, "eval_every": 0}
+    run = Run(tmp_path / "run")
+    loop = FinetuneLoop(settings, run, evaluation=None, counter="steps")
+    loop.resume({"net": torch.nn.Linear(2, 2)}, {}, write_agent=lambda directory: None)
+    loop.start("test")
+    for _ in range(3):
+        loop.advance(1)
+        loop.boundary(dict)
+    counters = json.loads(run.file("checkpoints", "last", "training_state", "counters.json").read_text())
+    assert (loop.step, loop.total, counters["steps"]) == (3, 6, 2) and "env_steps" not in counters
+    with pytest.raises(Diverged, match=r"at step 3: train/loss is not finite \(checkpoints/last holds step 2\)"):
+        loop.check_finite("train/loss", float("nan"))
     run.close()
 
 

@@ -2,6 +2,7 @@
 agree, and `finetune` end to end through the CLI (every algorithm, resume, eval)."""
 
 import json
+import os
 import re
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from embodied_rl import core
+from embodied_rl.algos.common import read_best
 from embodied_rl.cli import main
 from embodied_rl.lm.rl import (
     RLConfig,
@@ -19,6 +21,7 @@ from embodied_rl.lm.rl import (
     select,
 )
 from embodied_rl.lm.sampling import encode_prompt, left_pad, sample
+from embodied_rl.runs import read_metrics
 
 TINY = ["task=lm/addition", "task.digits=2", "lm.model.hidden_size=32", "lm.model.num_layers=1",
         "lm.model.num_heads=2", "lm.model.intermediate_size=64"]
@@ -158,6 +161,85 @@ def test_finetune_resumes_exactly_and_evaluates(sft_run, tmp_path, capsys):
     # another setting in the same run_dir is refused, nothing overwritten
     assert main([*args, "lm.rl.steps=5", "lm.rl.lr=1e-3", f"run_dir={tmp_path / 'resumed'}"]) == 2
     assert "holds a run with other settings" in capsys.readouterr().err
+
+
+def metric_rows(run_dir):
+    """The metrics rows without their timings (what a resumed run must repeat exactly)."""
+    rows = [{key: value for key, value in row.items() if not key.endswith("_s")} for row in read_metrics(run_dir)]
+    return [row for row in rows if len(row) > 1]
+
+
+def interrupt_at(monkeypatch, call):
+    """Make the `call`-th iteration of the language RL loop stop the run as a kill would."""
+    from embodied_rl.lm import rl
+
+    calls, original = [], rl.iteration
+
+    def iteration(*args):
+        calls.append(None)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return original(*args)
+
+    monkeypatch.setattr(rl, "iteration", iteration)
+
+
+@pytest.mark.e2e
+def test_an_interrupted_run_resumes_as_if_never_stopped_and_keeps_its_best(sft_run, tmp_path, monkeypatch, capsys):
+    # the logging window (3 steps) spans a checkpoint (every 2): it is saved with the checkpoint
+    args = ["finetune", *RL, f"checkpoint={sft_run}", "algo=grpo", "lm.rl.steps=6", "lm.rl.eval_every=2",
+            "lm.rl.checkpoint_every=2", "lm.rl.log_every=3", "lm.rl.ent_coef=0.01"]
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    assert main([*args, f"run_dir={straight}"]) == 0
+    interrupt_at(monkeypatch, 5)  # killed in step 5: checkpoints/last holds step 4, step 3's row is written
+    assert main([*args, f"run_dir={interrupted}"]) == 130
+    assert os.readlink(interrupted / "checkpoints" / "last") == "4"
+    monkeypatch.undo()
+    assert main([*args, f"run_dir={interrupted}"]) == 0
+    out = capsys.readouterr().out
+    assert "resuming from" in out
+
+    assert metric_rows(interrupted) == metric_rows(straight)
+    assert [row["step"] for row in metric_rows(straight) if "train/reward" in row] == [3, 6]
+    weights = [load_file(run / "checkpoints" / "last" / "model.safetensors") for run in (straight, interrupted)]
+    assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+    # checkpoints/best: the model of the best evaluation (ties to the later one), kept across the stop
+    evaluations = [(row["step"], row["eval/pass@1"]) for row in read_metrics(straight) if "eval/pass@1" in row]
+    assert [step for step, _ in evaluations] == [0, 2, 4, 6]
+    best = read_best(straight / "checkpoints")
+    assert (best["step"], best["pass@1"]) == max(evaluations, key=lambda e: (e[1], e[0]))
+    assert read_best(interrupted / "checkpoints") == best
+    assert json.loads((straight / "checkpoints" / "best" / "lm_task.json").read_text())["step"] == best["step"]
+    assert f"best: {100 * best['pass@1']:.1f}% [" in out and f"] at step {best['step']}\n" in out
+    # `eval` of it with best.json's problems and seed scores the number it was kept with
+    assert main(["eval", "task=lm/addition", "task.digits=2", f"checkpoint={straight / 'checkpoints' / 'best'}",
+                 f"lm.problems={best['problems']}", f"seed={best['seed']}", f"run_dir={tmp_path / 'eval'}"]) == 0
+    assert json.loads((tmp_path / "eval" / "eval_info.json").read_text())["overall"]["pass@1"] == best["pass@1"]
+
+
+@pytest.mark.e2e
+def test_a_checkpoint_of_the_older_layout_evaluates_and_starts_a_run(sft_run, tmp_path, capsys):
+    """A language checkpoint written before the loop ran on FinetuneLoop (its own state.pt, no
+    optimizers.pt) loads for eval and as checkpoint=; resuming it is refused in one line, and the
+    checkpoint stays where it is."""
+    old = tmp_path / "old"
+    args = ["finetune", *RL, "algo=grpo"]
+    assert main([*args, f"checkpoint={sft_run}", "lm.rl.steps=1", f"run_dir={old}"]) == 0
+    state = old / "checkpoints" / "1" / "training_state"
+    torch.save({"step": 1, "problems_drawn": 4, "optimizer": {}, "generator": torch.Generator().get_state(), "rng": {}},
+               state / "state.pt")
+    (state / "optimizers.pt").unlink()
+    (state / "counters.json").write_text(json.dumps({"step": 1, "problems_drawn": 4}))
+    assert main(["eval", "task=lm/addition", "task.digits=2", f"checkpoint={old}", "lm.problems=4",
+                 f"run_dir={tmp_path / 'eval'}"]) == 0
+    assert main([*args, f"checkpoint={old}", "lm.rl.steps=1", f"run_dir={tmp_path / 'next'}"]) == 0
+    capsys.readouterr()
+    assert main([*args, f"checkpoint={sft_run}", "lm.rl.steps=2", f"run_dir={old}"]) == 2
+    err = capsys.readouterr().err
+    assert "was written by an older version and cannot be resumed" in err.strip().splitlines()[-1]
+    assert err.count("error:") == 1
+    assert (old / "checkpoints" / "1" / "training_state" / "state.pt").is_file()  # not set aside
 
 
 @pytest.mark.parametrize("extra", [
