@@ -407,3 +407,13 @@ def test_dsrl_ceiling_best_of_n_is_at_least_every_draw(tmp_path, capsys, monkeyp
     lines = capsys.readouterr().out.strip().splitlines()
     draws = [float(line.split(": ")[1]) for line in lines if line.startswith("draw")]
     assert len(draws) == 3 and max(draws) <= average["best_of_n"]
+
+
+def test_process_overhead_compares_the_process_backend_with_gymnasium(capsys, monkeypatch):
+    bench = load_benchmark("process_overhead")
+    monkeypatch.setattr(sys, "argv", ["process_overhead.py", "--envs", "Pendulum-v1", "--ns", "2", "--seconds", "0.05"])
+    bench.main()
+    headline = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ratio_to_gymnasium"]
+    ratios = headline["Pendulum-v1/N=2"]
+    assert set(ratios) == {"process_1w_wall", "process_1w_cpu", "process_wall", "process_cpu"}
+    assert all(value > 0 for value in ratios.values())

@@ -23,9 +23,9 @@ def task_rows() -> list[tuple[str, ...]]:
     rows = []
     for name in registry.task_names():
         task = registry.task_class(name)
-        # This package's tasks run natively on the MuJoCo backends and on gymnasium through their
-        # gymnasium registration (state observations only there). The gymnasium backend takes
-        # Box observations only, so a task with instructions (dict observations) is not listed there.
+        # This package's tasks run natively on the MuJoCo backends, and on gymnasium and process
+        # through their gymnasium registration. The gymnasium backend takes Box observations only,
+        # so a task with instructions (dict observations) is not listed there; process passes them on.
         backends = ", ".join(b for b in task.backends if not (task.instructions and b == "gymnasium"))
         obs_modes = "state, pixels" if task.camera else "state"
         gym_id = registry.gym_id(name) if name in registry.GYM_NAMES else "-"

@@ -129,7 +129,7 @@ class Task:
     success_criterion: str = ""  # one sentence, shown by `embodied-rl tasks`
     instructions: tuple[str, ...] = ()  # non-empty: language-conditioned (obs["instruction"] ids)
     fixed_instruction: int | None = None  # an id: every episode gets that instruction (eval env_instruction=)
-    backends: tuple[str, ...] = ("mujoco", "mujoco_warp", "gymnasium")  # the first is the default
+    backends: tuple[str, ...] = ("mujoco", "mujoco_warp", "gymnasium", "process")  # the first is the default
 
     def __init__(self, **overrides: Any):
         for key, value in overrides.items():

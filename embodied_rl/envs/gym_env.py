@@ -66,6 +66,17 @@ class GymEnv(gymnasium.Env):
         step_info = {"is_success": bool(info["success"][0]), "unstable": bool(info["unstable"][0])}
         return self._numpy(obs), float(reward[0]), bool(terminated[0]), bool(truncated[0]), step_info
 
+    def get_state(self) -> dict[str, np.ndarray]:
+        """Everything this env continues from, as numpy arrays: its BatchedEnv's snapshot (the
+        process backend's workers take snapshots through this)."""
+        state = {key: value.cpu().numpy() for key, value in self.batched.get_state().items()}
+        return {**state, "gym_env/seeded": np.array(self._seeded)}
+
+    def set_state(self, state: dict[str, np.ndarray]) -> None:
+        self._seeded = bool(state["gym_env/seeded"])
+        self.batched.set_state({key: torch.from_numpy(np.array(value)) for key, value in state.items()
+                                if key != "gym_env/seeded"})
+
     def render(self):
         if self.render_mode == "rgb_array":
             return self.batched.render()[0].cpu().numpy()

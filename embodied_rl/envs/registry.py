@@ -5,7 +5,8 @@ Task subclass. External suites are named with a prefix: `metaworld/<task>` and `
 are MetaWorldTask classes built from their configs (embodied_rl.envs.tasks.metaworld).
 Backends: `BACKENDS[name] = module`; the module exposes
 `make_env(task, num_envs, device, seed, **options) -> BatchedEnv`, where `task` is a Task
-instance, or for backend="gymnasium" / "envpool" an env id (str) of that engine.
+instance, or for backend="gymnasium" / "envpool" / "process" an env id (str) of that engine
+(the process backend and the gymnasium one get this package's task names as names too).
 A task runs on the backends in its `backends` attribute; the first is its default.
 """
 
@@ -45,10 +46,11 @@ BACKENDS: dict[str, str] = {
     "mujoco_warp": "embodied_rl.envs.backends.mujoco_warp",
     "gymnasium": "embodied_rl.envs.backends.gymnasium",
     "envpool": "embodied_rl.envs.backends.envpool",
+    "process": "embodied_rl.envs.backends.process",
 }
 
 # Backends that also take an env id of their own engine for a name that is not a task here.
-ENGINE_BACKENDS = ("gymnasium", "envpool")
+ENGINE_BACKENDS = ("gymnasium", "envpool", "process")
 
 
 def gym_id(task_name: str) -> str:
@@ -116,6 +118,9 @@ COMMAND_KEYS = ("name", "demos", "quality", "pretrain_steps")
 DESCRIPTIVE_KEYS = ("gym_id", "xml", "obs_dim", "action_dim", "camera", "has_success",
                     "success_criterion", "expert", "instructions", "suite_tasks")
 POSITIVE_KEYS = ("max_episode_steps", "control_substeps")
+# task.process.<key>: the process backend's options (configs/task/<name>.yaml: process), passed
+# to it as task_options["process"]; null keeps the backend's default.
+PROCESS_KEYS = ("python", "workers", "timeout")
 
 
 def _same_type(value: Any, default: Any) -> bool:
@@ -143,10 +148,19 @@ def task_overrides(task_cfg: Mapping[str, Any]) -> dict[str, Any]:
     name = task_cfg["name"]
     cls = task_class(name)
     overrides: dict[str, Any] = {}
+    process_options: dict[str, Any] = {}
     descriptive: dict[str, Any] = {}
     for key in task_cfg:
         value = task_cfg[key]
         if key in COMMAND_KEYS:
+            continue
+        if key == "process":
+            process = {k: v for k, v in dict(value or {}).items() if v is not None}
+            unknown = sorted(set(process) - set(PROCESS_KEYS))
+            if unknown:
+                raise UserError(f"unknown key 'task.process.{unknown[0]}' (choose from: {', '.join(PROCESS_KEYS)})")
+            if process:
+                process_options = process
             continue
         if key in DESCRIPTIVE_KEYS:
             descriptive[key] = value
@@ -170,6 +184,8 @@ def task_overrides(task_cfg: Mapping[str, Any]) -> dict[str, Any]:
             actual, value = list(actual), list(value)
         if value != actual:
             raise UserError(f"task.{key}={value} contradicts task '{name}', whose {key} is {actual!r}")
+    if process_options:
+        overrides["process"] = process_options
     return overrides
 
 
@@ -225,26 +241,33 @@ def make(
     """Make N copies of a task on a backend.
 
     `name` is a registered task (reach, reach_choice, push_t, lift, peg_insert, hopper, tabletop,
-    metaworld/<task>, metaworld/MT10, ...), or for backend="gymnasium" / "envpool" an env id of
-    that engine. `backend=None` takes the task's default (`Task.backends[0]`: mujoco for this
+    metaworld/<task>, metaworld/MT10, ...), or for backend="gymnasium" / "envpool" / "process" an
+    env id of that engine. `backend=None` takes the task's default (`Task.backends[0]`: mujoco for this
     package's tasks, envpool for Meta-World). `obs_mode="pixels"` returns obs dicts
     {"state": f32 [N, D], "pixels": u8 [N, image_size, image_size, 3]}. `task_options` override
-    Task class attributes (e.g. {"max_episode_steps": 100}); `backend_options` go to the backend.
+    Task class attributes (e.g. {"max_episode_steps": 100}); their entry "process" (task.process
+    in a task config) holds options of the process backend; `backend_options` go to the backend.
     """
     if int(num_envs) < 1:
         raise UserError(f"num_envs must be >= 1, got {num_envs}")
     backend = resolve_backend(name, backend)
+    task_options = dict(task_options or {})
+    process_options = task_options.pop("process", None) or {}
+    if process_options and backend != "process":
+        raise UserError(f"task.process.{next(iter(process_options))} applies to backend=process only, "
+                        f"not backend={backend}")
     module = backend_module(backend)
-    options = dict(obs_mode=obs_mode, image_size=image_size, render_size=render_size, **backend_options)
+    options = dict(obs_mode=obs_mode, image_size=image_size, render_size=render_size,
+                   **{**process_options, **backend_options})
     if backend == "envpool" and not is_task(name):  # an EnvPool id, e.g. Hopper-v5
         options.update(task_options or {})
         return module.make_env(name, int(num_envs), device, seed, **options)
-    if backend == "gymnasium":
+    if backend in ("gymnasium", "process"):
         if task_options and name in TASKS:  # this package's task, made inside each gymnasium env
             env_kwargs = dict(options.pop("env_kwargs", None) or {})
             options["env_kwargs"] = {**env_kwargs, "task_options": dict(task_options)}
         elif task_options:  # a gymnasium id: its options (max_episode_steps, ...)
             options.update(task_options)
         return module.make_env(name, int(num_envs), device, seed, **options)
-    task = make_task(name, **(task_options or {}))
+    task = make_task(name, **task_options)
     return module.make_env(task, int(num_envs), device, seed, **options)

@@ -4,53 +4,10 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+import toy_envs  # noqa: F401  (registers TestCount-v0 and TestDictObs-v0: tests/envs/toy_envs.py)
 
 from embodied_rl.envs.backends.gymnasium import GymnasiumEnv
 from embodied_rl.errors import UserError
-
-
-class CountEnv(gym.Env):
-    """A tiny env whose numbers are known exactly.
-
-    obs = [steps taken, last env-space action, a seed-dependent start value]; reward = 1 per
-    step; success (`is_success`) from the second step on; terminated when the action exceeds
-    3.5 (the top of its [-2, 4] action range); the time limit comes from max_episode_steps.
-    """
-
-    observation_space = gym.spaces.Box(-np.inf, np.inf, (3,), np.float64)
-    action_space = gym.spaces.Box(-2.0, 4.0, (1,), np.float32)
-    metadata = {"render_modes": ["rgb_array"]}
-
-    def __init__(self, render_mode=None):
-        self.render_mode = render_mode
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.t = 0
-        self.start = float(self.np_random.uniform())
-        return np.array([0.0, 0.0, self.start]), {}
-
-    def step(self, action):
-        self.t += 1
-        a = float(action[0])
-        obs = np.array([self.t, a, self.start])
-        return obs, 1.0, a > 3.5, False, {"is_success": self.t >= 2}
-
-
-class DictObsEnv(CountEnv):
-    observation_space = gym.spaces.Dict({"a": gym.spaces.Box(-1, 1, (2,)),
-                                         "b": gym.spaces.Box(-1, 1, (1,))})
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        return self.observation_space.sample(), {}
-
-    def step(self, action):
-        return self.observation_space.sample(), 0.0, False, False, {}
-
-
-gym.register("TestCount-v0", entry_point=CountEnv, max_episode_steps=4)
-gym.register("TestDictObs-v0", entry_point=DictObsEnv, max_episode_steps=4)
 
 
 def _act(n, value):

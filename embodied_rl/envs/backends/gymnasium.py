@@ -49,7 +49,111 @@ def _success_from(infos: dict[str, Any], num_envs: int) -> np.ndarray:
     return success
 
 
-class GymnasiumEnv(BatchedEnv):
+class HostVectorEnv(BatchedEnv):
+    """What the gymnasium and process backends share on this side: N copies of an env stepped
+    as numpy arrays (in gymnasium's vector envs, or in worker processes), actions in [-1, 1]
+    rescaled to the copies' Box, gymnasium's seed convention, and the contract's info built from
+    the numpy results. A subclass calls `_setup` once it knows the action space."""
+
+    def _setup(self, num_envs: int, seed: int, device: str | torch.device, act_low: np.ndarray,
+               act_high: np.ndarray, act_dtype: Any) -> None:
+        self.num_envs = num_envs
+        self.device = torch.device(device)
+        self._seed = seed
+        self._seeded = False
+        # bounds flattened like the actions [N, A]; the copies take their own shape and dtype
+        self._act_shape = tuple(np.shape(act_low))
+        self._act_low = np.asarray(act_low, dtype=np.float64).reshape(-1)
+        self._act_high = np.asarray(act_high, dtype=np.float64).reshape(-1)
+        self._act_dtype = act_dtype
+        self.single_action_space = gym_box(-1.0, 1.0, int(self._act_low.size))
+        # Per-env episode statistics, kept here because gymnasium's RecordEpisodeStatistics
+        # knows nothing of success.
+        self.stats = EpisodeStats(num_envs, torch.device("cpu"))
+        # Draws the seeds of grouped resets that are given no seed.
+        self.generator = torch.Generator()
+        self.generator.manual_seed(int(seed))
+
+    def _reset_seeds(self, seed: int | None, env_ids: torch.Tensor | None, group_size: int | None
+                     ) -> tuple[np.ndarray, list[int | None]]:
+        """The envs a reset resets and each env's seed (None: it continues its own stream).
+
+        With a seed, env i gets seed + i; without one, the first reset uses the constructor's
+        seed. `group_size=G` gives consecutive groups of G reset envs one seed each."""
+        if group_size is not None and group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        if seed is None and not self._seeded:
+            seed = self._seed
+        if not self._seeded:
+            env_ids = None  # the first reset must set every env
+        self._seeded = True
+        ids = self._env_ids(env_ids).numpy()
+        seeds: list[int | None] = [None] * self.num_envs
+        if group_size is not None and group_size > 1:
+            if len(ids) % group_size:
+                raise ValueError(f"group_size {group_size} must divide the number of envs reset "
+                                 f"({len(ids)})")
+            if seed is not None:
+                self.generator.manual_seed(int(seed))
+            group_seeds = torch.randint(0, 2**31 - 1, (len(ids) // group_size,),
+                                        generator=self.generator)
+            for k, i in enumerate(ids):
+                seeds[i] = int(group_seeds[k // group_size])
+        elif seed is not None:
+            for i in ids:
+                seeds[i] = int(seed) + int(i)
+        self.stats.clear(torch.from_numpy(ids))
+        return ids, seeds
+
+    def _env_action(self, action: torch.Tensor) -> np.ndarray:
+        """Validated actions in [-1, 1], rescaled linearly to the copies' Box: float64 [N, A]."""
+        if not self._seeded:
+            raise RuntimeError("call reset() before step()")
+        action = self.check_action(action).cpu().double().numpy()
+        return self._act_low + (action + 1.0) / 2.0 * (self._act_high - self._act_low)
+
+    def _step_result(self, obs: Any, reward: np.ndarray, terminated: np.ndarray,
+                     truncated: np.ndarray, success: np.ndarray, final_mask: np.ndarray,
+                     final_obs: Any) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+        """The contract's step tuple from a step's numpy results; `obs` and `final_obs` are
+        already CPU tensors (or dicts of them)."""
+        reward_t = torch.as_tensor(np.asarray(reward, dtype=np.float32))
+        terminated_t = torch.as_tensor(np.asarray(terminated, dtype=bool))
+        # gymnasium's TimeLimit flags both when an env terminates on its last step; the
+        # contract (as in the MuJoCo backends) is truncated = time limit and not terminated.
+        truncated_t = torch.as_tensor(np.asarray(truncated, dtype=bool)) & ~terminated_t
+        done = terminated_t | truncated_t
+        success_t = torch.as_tensor(np.asarray(success, dtype=bool))
+        self.stats.update(reward_t, success_t)
+        info: dict[str, Any] = {
+            "success": success_t,
+            "unstable": torch.zeros(self.num_envs, dtype=torch.bool),  # not detected here
+            "_final": torch.as_tensor(np.asarray(final_mask, dtype=bool)),
+            "final_obs": final_obs,
+            "_episode": done,
+            "episode": self.stats.snapshot(),
+        }
+        self.stats.clear(torch.nonzero(done).flatten())
+        to = self.device
+        info = {key: ({k: v.to(to) for k, v in value.items()} if isinstance(value, dict)
+                      else value.to(to)) for key, value in info.items()}
+        obs = {k: v.to(to) for k, v in obs.items()} if isinstance(obs, dict) else obs.to(to)
+        return obs, reward_t.to(to), terminated_t.to(to), truncated_t.to(to), info
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def gym_box(low: float, high: float, size: int):
+    import gymnasium as gym
+
+    return gym.spaces.Box(low, high, (size,), np.float32)
+
+
+class GymnasiumEnv(HostVectorEnv):
     """N copies of a gymnasium env, stepped as one batch of torch tensors.
 
     Args:
@@ -87,11 +191,7 @@ class GymnasiumEnv(BatchedEnv):
         if vector not in ("sync", "async"):
             raise UserError(f"vector must be 'sync' or 'async', got {vector!r}")
         self.env_id = env_id
-        self.num_envs = num_envs
-        self.device = torch.device(device)
         self.vector = vector
-        self._seed = seed
-        self._seeded = False
 
         make_one = functools.partial(_make_one, env_id, render_mode, max_episode_steps,
                                      flatten_obs, dict(env_kwargs or {}))
@@ -119,28 +219,16 @@ class GymnasiumEnv(BatchedEnv):
             raise UserError(f"{env_id!r} has unbounded actions; actions in [-1, 1] cannot be "
                             "rescaled to them")
 
-        self._act_low = act_space.low.astype(np.float64)
-        self._act_high = act_space.high.astype(np.float64)
-        self._act_dtype = act_space.dtype
+        self._setup(num_envs, seed, device, act_space.low, act_space.high, act_space.dtype)
         # Both are flattened to one dimension: obs [N, D], actions [N, A].
         self.obs_dim = int(np.prod(obs_space.shape))
-        self.single_observation_space = gym.spaces.Box(-np.inf, np.inf, (self.obs_dim,),
-                                                       np.float32)
-        self.single_action_space = gym.spaces.Box(-1.0, 1.0, (int(np.prod(act_space.shape)),),
-                                                  np.float32)
+        self.single_observation_space = gym_box(-np.inf, np.inf, self.obs_dim)
 
         env_fns = [make_one] * num_envs
         if vector == "sync":
             self._vec = SyncVectorEnv(env_fns, autoreset_mode=AutoresetMode.SAME_STEP)
         else:
             self._vec = AsyncVectorEnv(env_fns, autoreset_mode=AutoresetMode.SAME_STEP)
-
-        # Per-env episode statistics, kept here because gymnasium's RecordEpisodeStatistics
-        # knows nothing of success.
-        self.stats = EpisodeStats(num_envs, torch.device("cpu"))
-        # Draws the seeds of grouped resets that are given no seed.
-        self.generator = torch.Generator()
-        self.generator.manual_seed(int(seed))
 
     # ---------------------------------------------------------------- reset / step
 
@@ -154,61 +242,25 @@ class GymnasiumEnv(BatchedEnv):
         start from the same state (for envs whose reset depends only on the seed, as gymnasium's
         own envs do).
         """
-        if group_size is not None and group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
-        if seed is None and not self._seeded:
-            seed = self._seed
-        if not self._seeded:
-            env_ids = None  # the first reset must set every env
-        self._seeded = True
-        ids = self._env_ids(env_ids).numpy()
+        ids, seeds = self._reset_seeds(seed, env_ids, group_size)
         if len(ids) == 0:
             return self._to_obs(self._last_obs), {}
         reset_mask = np.zeros(self.num_envs, dtype=bool)
         reset_mask[ids] = True
-
-        seeds: list[int | None] = [None] * self.num_envs
-        if group_size is not None and group_size > 1:
-            if len(ids) % group_size:
-                raise ValueError(f"group_size {group_size} must divide the number of envs reset "
-                                 f"({len(ids)})")
-            if seed is not None:
-                self.generator.manual_seed(int(seed))
-            group_seeds = torch.randint(0, 2**31 - 1, (len(ids) // group_size,),
-                                        generator=self.generator)
-            for k, i in enumerate(ids):
-                seeds[i] = int(group_seeds[k // group_size])
-        elif seed is not None:
-            for i in ids:
-                seeds[i] = int(seed) + int(i)
-
         if reset_mask.all():
             obs, _ = self._vec.reset(seed=seeds)
         else:
             obs, _ = self._vec.reset(seed=seeds, options={"reset_mask": reset_mask})
         self._last_obs = np.array(obs)
-        self.stats.clear(torch.from_numpy(ids))
         return self._to_obs(obs), {}
 
     def step(self, action: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
-        if not self._seeded:
-            raise RuntimeError("call reset() before step()")
-        action = self.check_action(action).cpu().double().numpy()  # validated, in [-1, 1]
-        env_action = (self._act_low + (action + 1.0) / 2.0 * (self._act_high - self._act_low))
-        env_action = env_action.astype(self._act_dtype).reshape(
-            (self.num_envs, *self._act_low.shape))
-
+        env_action = self._env_action(action).astype(self._act_dtype).reshape(
+            (self.num_envs, *self._act_shape))
         obs, reward, terminated, truncated, infos = self._vec.step(env_action)
         self._last_obs = np.array(obs)
-
         obs_t = self._to_obs(obs, device="cpu")
-        reward_t = torch.as_tensor(np.asarray(reward, dtype=np.float32))
-        terminated_t = torch.as_tensor(np.asarray(terminated, dtype=bool))
-        # gymnasium's TimeLimit flags both when an env terminates on its last step; the
-        # contract (as in the MuJoCo backends) is truncated = time limit and not terminated.
-        truncated_t = torch.as_tensor(np.asarray(truncated, dtype=bool)) & ~terminated_t
-        done = terminated_t | truncated_t
 
         # For the envs that finished, gymnasium put the step's info under final_info and the
         # info of the reset that followed at the top level: their success comes from the former.
@@ -221,23 +273,8 @@ class GymnasiumEnv(BatchedEnv):
             for i in np.flatnonzero(final_mask):
                 final_obs[i] = torch.as_tensor(
                     np.asarray(infos["final_obs"][i], dtype=np.float32).reshape(-1))
-        success_t = torch.as_tensor(success)
-
-        self.stats.update(reward_t, success_t)
-        info: dict[str, Any] = {
-            "success": success_t,
-            "unstable": torch.zeros(self.num_envs, dtype=torch.bool),  # not detected here
-            "_final": torch.as_tensor(final_mask),
-            "final_obs": final_obs,
-            "_episode": done,
-            "episode": self.stats.snapshot(),
-        }
-        self.stats.clear(torch.nonzero(done).flatten())
-        info = {key: ({k: v.to(self.device) for k, v in value.items()}
-                      if isinstance(value, dict) else value.to(self.device))
-                for key, value in info.items()}
-        return (obs_t.to(self.device), reward_t.to(self.device), terminated_t.to(self.device),
-                truncated_t.to(self.device), info)
+        return self._step_result(obs_t, reward, terminated, truncated, success, final_mask,
+                                 final_obs)
 
     # ---------------------------------------------------------------- render / misc
 
@@ -259,12 +296,6 @@ class GymnasiumEnv(BatchedEnv):
 
     def close(self) -> None:
         self._vec.close()
-
-    def __enter__(self) -> GymnasiumEnv:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _to_obs(self, obs: np.ndarray, device: torch.device | str | None = None
                 ) -> torch.Tensor:
