@@ -411,8 +411,11 @@ def check_previous_run(cfg: Any, command: str, may_change: tuple[str, ...]) -> N
     if not previous.is_file():
         raise UserError(f"run_dir '{path}' holds files but no {command} run; choose a new run_dir (nothing was overwritten)")
     before, now = _flat_items(OmegaConf.load(previous)), _flat_items(cfg)
+    # how the work is spread (threads, the process backend's workers and their timeout) changes
+    # no number, so a run may resume with other values
+    spread = ("threads", "task.process.workers", "task.process.timeout")
     changed = sorted(key for key in before.keys() | now.keys()
-                     if before.get(key) != now.get(key) and key not in (*may_change, "threads", "run_dir"))
+                     if before.get(key) != now.get(key) and key not in (*may_change, *spread, "run_dir"))
     if changed:
         shown = ", ".join(f"{key}={before.get(key)} -> {now.get(key)}" for key in changed[:3])
         more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""

@@ -89,5 +89,6 @@ def test_quickstart_hands_the_task_keys_to_its_stages(monkeypatch, tmp_path):
 
     monkeypatch.setattr(quickstart, "run_stage", first_stage)
     with pytest.raises(Stop) as stopped:
-        main(["quickstart", *SHORT, f"run_dir={tmp_path / 'qs'}"])
+        main(["quickstart", *SHORT, "task.process.workers=2", f"run_dir={tmp_path / 'qs'}"])
     assert "task.max_episode_steps=7" in stopped.value.args[0]
+    assert "task.process.workers=2" in stopped.value.args[0]  # a mapping's keys one by one

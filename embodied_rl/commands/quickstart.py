@@ -76,6 +76,26 @@ def describe_progress(root: Path) -> str | None:
     return "[quickstart] resuming this run_dir: " + ", ".join(parts)
 
 
+def stage_task_overrides(task_cfg: DictConfig) -> list[str]:
+    """The task's keys as quickstart got them, as overrides for every stage
+    (task.max_episode_steps=N, task.process.python=..., a mapping's keys one by one); lists
+    (instructions, suite_tasks) only describe the task and stay as its config has them."""
+    def text(value: Any) -> str:
+        if value is None or isinstance(value, bool):
+            return str(value).lower().replace("none", "null")
+        if isinstance(value, str) and any(c.isspace() for c in value):  # a command: one quoted value
+            return "'" + value.replace("'", "\\'") + "'"
+        return str(value)
+
+    overrides = []
+    for key, value in task_cfg.items():
+        if key == "name" or OmegaConf.is_list(value):
+            continue
+        items = value.items() if OmegaConf.is_dict(value) else [(None, value)]
+        overrides += [f"task.{key}{'' if sub is None else '.' + sub}={text(item)}" for sub, item in items]
+    return overrides
+
+
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     from embodied_rl.commands import validate_common
     from embodied_rl.runs import start_run
@@ -88,10 +108,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     task = cfg.task.name
     backend = "null" if cfg.backend is None else cfg.backend
     sim = [f"task={task}", f"seed={cfg.seed}", f"backend={backend}", f"device={cfg.device}"]
-    # the task's keys as quickstart got them (task.max_episode_steps=N, ...) reach every stage;
-    # lists (instructions, suite_tasks) only describe the task and stay as its config has them
-    sim += [f"task.{key}={str(value).lower() if isinstance(value, bool) else value}"
-            for key, value in cfg.task.items() if key != "name" and not OmegaConf.is_list(value)]
+    sim += stage_task_overrides(cfg.task)
     finetune = [*sim, f"algo={cfg.finetune_algo}", f"env_steps={cfg.finetune_env_steps}",
                 f"num_envs={cfg.finetune_num_envs}", f"eval_every={cfg.finetune_eval_every}",
                 f"eval_episodes={cfg.finetune_eval_episodes}", "videos=0",

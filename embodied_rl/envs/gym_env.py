@@ -38,6 +38,7 @@ class GymEnv(gymnasium.Env):
         self.observation_space = self.batched.single_observation_space
         self.action_space = self.batched.single_action_space
         self.instructions = self.batched.instructions
+        self.max_episode_steps = self.batched.max_episode_steps  # its own limit (no TimeLimit wrapper)
         self._seeded = False
 
     @staticmethod

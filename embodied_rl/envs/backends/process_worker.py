@@ -145,8 +145,10 @@ def describe(env, spec):
                   "low": np.asarray(act_space.low, dtype=np.float64).ravel().tolist(),
                   "high": np.asarray(act_space.high, dtype=np.float64).ravel().tolist()}
     env_spec = getattr(env, "spec", None)
-    limit = getattr(env_spec, "max_episode_steps", None) or spec.get("max_episode_steps")
     unwrapped = getattr(env, "unwrapped", env)
+    # the time limit: gymnasium's TimeLimit, else the env's own (this package's tasks say it)
+    limit = (getattr(env_spec, "max_episode_steps", None) or spec.get("max_episode_steps")
+             or getattr(unwrapped, "max_episode_steps", None))
     instructions = getattr(unwrapped, "instructions", None) or []
     return {"obs": fields, "dict_obs": isinstance(subspaces, dict), "action": action,
             "can_snapshot": hasattr(unwrapped, "get_state") and hasattr(unwrapped, "set_state"),
