@@ -68,11 +68,13 @@ def test_same_numbers_as_the_gymnasium_backend(env_id, toy_envs_importable):
 
 
 @slow
-@pytest.mark.parametrize("name,options", [("toy_envs:TestSnapshotCount-v0", {}),  # TimeLimit's count too
-                                          ("reach", {"task_options": {"max_episode_steps": 3}})])
+@pytest.mark.parametrize("name,options", [
+    ("toy_envs:TestSnapshotCount-v0", {"workers": 2}),  # TimeLimit's count too
+    ("reach", {"workers": 1, "task_options": {"max_episode_steps": 3}}),  # one worker: torch imports take seconds
+])
 def test_a_snapshot_continues_exactly_where_the_env_has_get_state(name, options, toy_envs_importable):
     def make_env(seed):
-        return make(name, num_envs=4, backend="process", workers=2, seed=seed, **options)
+        return make(name, num_envs=4, backend="process", seed=seed, **options)
 
     generator = torch.Generator().manual_seed(0)
     actions = [torch.rand(4, 2 if name == "reach" else 1, generator=generator) * 2 - 1 for _ in range(12)]
@@ -123,6 +125,7 @@ def test_a_package_task_with_instructions_and_pixels_in_a_worker():
     with make("reach_choice", num_envs=2, backend="process", seed=0, workers=1, obs_mode="pixels",
               image_size=16, task_options={"max_episode_steps": 2}) as env:
         assert env.instructions == list(make_task_instructions("reach_choice"))
+        assert env.max_episode_steps == 2  # the task's own limit, which PPO sizes its buffers by
         obs, _ = env.reset()
         assert set(obs) == {"state", "pixels", "instruction"}
         assert obs["pixels"].shape == (2, 16, 16, 3) and obs["pixels"].dtype == torch.uint8
