@@ -66,6 +66,8 @@ def test_every_on_policy_algorithm_runs_end_to_end(algo, policy, extra, checkpoi
         iterations = len(train)
         assert [r["train/lr"] for r in train] == pytest.approx([1e-3 * (1 - i / iterations) for i in range(iterations)])
     assert (run_dir / "checkpoints" / "last" / "agent.json").exists()
+    optimizer = torch.load(run_dir / "checkpoints" / "last" / "training_state" / "optimizers.pt", weights_only=True)
+    assert optimizer["optimizer"]["param_groups"][0]["eps"] == (1e-8 if algo in ("reinflow", "flow_sde") else 1e-5)
     assert (run_dir / "eval_info.json").exists()
     # the fine-tuned checkpoint evaluates with `embodied-rl eval`
     code = main(["eval", "task=reach", f"checkpoint={run_dir / 'checkpoints' / 'last'}", "episodes=2",

@@ -106,6 +106,7 @@ class PPOConfig:
     lr: float
     critic_lr: float
     anneal_lr: bool
+    adam_eps: float
     update_epochs: int
     num_minibatches: int
     clip: float
@@ -136,6 +137,7 @@ class PPOConfig:
             ("reward_shaping", self.reward_shaping >= 0, ">= 0"),
             ("lr", self.lr > 0, "> 0"),
             ("critic_lr", self.critic_lr >= 0, ">= 0"),
+            ("adam_eps", self.adam_eps > 0, "> 0"),
             ("update_epochs", self.update_epochs >= 1, ">= 1"),
             ("num_minibatches", self.num_minibatches >= 1, ">= 1"),
             ("clip", self.clip > 0, "> 0"),
@@ -278,7 +280,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     param_groups = [{"params": actor.actor_parameters(), "lr": algo.lr}]
     if not grpo:
         param_groups.append({"params": actor.critic_parameters(), "lr": algo.critic_lr})
-    optimizer = torch.optim.Adam(param_groups, eps=1e-5)
+    optimizer = torch.optim.Adam(param_groups, eps=algo.adam_eps)
     initial_lrs = [group["lr"] for group in optimizer.param_groups]
     steps_per_mdp = actor.n_action_steps if actor.chunked else 1
     max_mdp_steps = math.ceil(env.max_episode_steps / steps_per_mdp) + 1

@@ -145,6 +145,7 @@ def test_resuming_with_other_settings_is_refused(checkpoints, tmp_path, capsys):
 @pytest.mark.parametrize("bad,expected", [
     ("algo.gamma=2.5", "algo.gamma must be in [0, 1]"),
     ("algo.num_minibatches=0", "algo.num_minibatches must be >= 1"),
+    ("algo.adam_eps=0", "algo.adam_eps must be > 0"),
     ("checkpoint_every=-1", "checkpoint_every must be >= 0"),
 ])
 def test_bad_values_are_refused_before_any_run_dir(bad, expected, checkpoints, tmp_path, capsys):  # noqa: F811
