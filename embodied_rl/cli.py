@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pretrain": ("behaviour-clone a policy from demos", "embodied_rl.commands.pretrain"),
     "eval": ("success rate, intervals and videos of a checkpoint", "embodied_rl.commands.evaluate"),
     "finetune": ("RL fine-tuning of a pretrained policy", "embodied_rl.commands.finetune"),
+    "train-reward": ("train a reward model (success, progress) on collected episodes", "embodied_rl.commands.train_reward"),
     "quickstart": ("collect, pretrain, eval, finetune, eval on the default task", "embodied_rl.commands.quickstart"),
     "tasks": ("list every task: backends, observation modes, success criterion, expert", "embodied_rl.commands.tasks"),
     "import-demos": ("read a LeRobotDataset v3 directory into a demo dataset", "embodied_rl.commands.import_demos"),

@@ -207,7 +207,7 @@ def test_finetune_and_eval_write_a_report(checkpoints, tmp_path, capsys):  # noq
 
 def test_collect_and_eval_print_progress_lines_with_their_success(tmp_path, capsys):
     assert main(["collect", "task=reach", "demos=2", "num_envs=2", f"run_dir={tmp_path / 'collect'}"]) == 0
-    assert "[collect] 2/2 (100%) expert_success=" in capsys.readouterr().err  # stderr is no terminal here
+    assert "[collect] 2/2 (100%) success=" in capsys.readouterr().err  # stderr is no terminal here
 
 
 def test_a_checkpoint_with_non_finite_weights_is_refused(checkpoints, tmp_path, capsys):  # noqa: F811

@@ -95,6 +95,7 @@ class LatentNoiseVecEnv(VecEnv):
         self.sampler_calls = 0
         self.episode_returns: list[float] = []
         self.episode_successes: list[bool] = []
+        self.episode_learned_successes: list[bool] = []  # reward=model:PATH: the reward model's success
         self._seed = seed
         self._actions: np.ndarray | None = None
         flat = int(np.prod(self.noise_shape))
@@ -171,6 +172,8 @@ class LatentNoiseVecEnv(VecEnv):
                     item["episode"] = {"r": float(episode["return"][i]), "l": int(episode["length"][i])}
                     self.episode_returns.append(float(episode["return"][i]))
                     self.episode_successes.append(bool(episode["success_once"][i]))
+                    if "learned_success_once" in episode:
+                        self.episode_learned_successes.append(bool(episode["learned_success_once"][i]))
             infos.append(item)
         return self._features(obs).cpu().numpy(), reward.float().cpu().numpy(), done_np, infos
 

@@ -18,7 +18,9 @@ The language RL loop (lm/rl.py) runs on the same helper: it counts its iteration
 (`FinetuneLoop(schedule, run, evaluation, counter="steps")`, `loop.step`, `loop.total`) and
 supplies its own evaluation (held-out pass@1) and checkpoint files (the model and tokenizer).
 
-- Reward: `reward_settings(cfg)` parses `algo.reward` and `algo.bootstrap_truncation` once.
+- Reward: `reward_settings(cfg)` parses `reward`, `algo.reward` and `algo.bootstrap_truncation`
+  once; `training_reward` is what every algorithm trains on (the learned reward of reward=model:PATH
+  included: the env is then a rewards.LearnedRewardEnv).
 - Checkpoints: checkpoints/<step>/ (agent files that `embodied_rl.actors.load_agent` reads, plus
   training_state/) and checkpoints/last, a symlink to the newest. A checkpoint directory is
   written under a temporary name and renamed into place; `training_state/counters.json` is its
@@ -85,11 +87,15 @@ BEST_RECORD = "best.json"
 
 @dataclass(frozen=True)
 class RewardSettings:
-    """`sparse`: train on 1 at the step that ends in success (else the env reward);
+    """`sparse`: online steps train on 1 at the step that ends in the simulator's success, else
+    on the env's reward (the simulator's, or with reward=model:PATH the reward model's: the env
+    is then a rewards.LearnedRewardEnv); `demo_sparse`: demo transitions carry 1 at the end of
+    a successful demo (their success label), else their recorded reward;
     `bootstrap_truncation`: bootstrap the value at a time limit."""
 
     sparse: bool
     bootstrap_truncation: bool
+    demo_sparse: bool
 
 
 def reward_settings(cfg: Any) -> RewardSettings:
@@ -98,20 +104,33 @@ def reward_settings(cfg: Any) -> RewardSettings:
     coverage reward keeps paying while the block sits near the target and success ends the
     episode, so a dense-reward agent earns more by hovering outside the success region than by
     finishing; the sparse reward with gamma < 1 rewards finishing, and soon.
-    `algo.bootstrap_truncation`: `auto` = no bootstrap at the time limit with the success reward
-    (running out of time is a failure: success must come before it), bootstrap otherwise."""
+    `reward=model:PATH` (docs/rewards.md): online steps train on the env's reward, which is the
+    learned one, and demos on their success labels (what a demonstration is: a labelled
+    success; their recorded rewards are the simulator's); algo.reward, which picks among the
+    simulator's rewards, must stay auto.
+    `algo.bootstrap_truncation`: `auto` = no bootstrap at the time limit with a success reward,
+    the learned one included (running out of time is a failure: success must come before it),
+    bootstrap otherwise (a dense simulator reward: hopper)."""
+    from embodied_rl.rewards.env import learned_reward_path
+
     algo = cfg.algo
     mode = str(algo.reward)
     if mode not in ("env", "success", "auto"):
         raise UserError(f"algo.reward must be env, success or auto, got '{mode}'")
+    learned = learned_reward_path(cfg.get("reward")) is not None
+    if learned and mode != "auto":
+        raise UserError(f"reward=model:PATH pays the learned reward; algo.reward={mode} picks one of the "
+                        "simulator's: leave it at auto")
     has_success = bool(cfg.task.has_success)
     if mode == "success" and not has_success:
         raise UserError(f"algo.reward=success needs a task with a success signal; {cfg.task.name} has none")
-    sparse = mode == "success" or (mode == "auto" and has_success)
+    sparse = (mode == "success" or (mode == "auto" and has_success)) and not learned
     bootstrap = algo.get("bootstrap_truncation", "auto")
     if bootstrap not in ("auto", True, False):
         raise UserError(f"algo.bootstrap_truncation must be auto, true or false, got {bootstrap!r}")
-    return RewardSettings(sparse, (not sparse) if bootstrap == "auto" else bool(bootstrap))
+    success_reward = sparse or learned
+    return RewardSettings(sparse, (not success_reward) if bootstrap == "auto" else bool(bootstrap),
+                          demo_sparse=success_reward)
 
 
 def check_values(config: Any, checks: list[tuple[str, bool, str]]) -> None:
@@ -123,7 +142,8 @@ def check_values(config: Any, checks: list[tuple[str, bool, str]]) -> None:
 
 
 def training_reward(reward: torch.Tensor, info: dict[str, Any], sparse: bool) -> torch.Tensor:
-    """What RL maximises: the env reward, or (`sparse`) 1 on a step that ends in success."""
+    """What RL maximises: the env reward (a learned reward's env: the model's), or (`sparse`) 1
+    on a step that ends in the simulator's success."""
     return info["success"].float() if sparse else reward.float()
 
 
@@ -487,6 +507,14 @@ class Evaluator:
 # ---------------------------------------------------------------------------------------------
 
 
+# the mean over a logging window's finished episodes, by what each episode records: the
+# simulator's return and success (the truth, whatever the learner is paid), and with
+# reward=model:PATH the learned return and success the learner was paid (reward hacking shows as
+# the learned success rising while the true one falls)
+EPISODE_METRICS = {"returns": "rollout/return", "successes": "rollout/success_rate",
+                   "learned_returns": "train/learned_return", "learned_successes": "train/learned_success_rate"}
+
+
 def _next_multiple(step: int, every: int) -> int | None:
     return (step // every + 1) * every if every > 0 else None
 
@@ -561,10 +589,10 @@ class FinetuneLoop:
         self.write_agent: Callable[[Path], None] | None = None
         self.resumed_from: Path | None = None
         self.saved_step: int | None = None  # the step of the newest checkpoint this run holds
-        self.episode_returns: list[float] = []  # this rank's episodes finished since the last sync
-        self.episode_successes: list[float] = []
-        self.window_returns: list[float] = []  # every rank's episodes of the current logging window
-        self.window_successes: list[float] = []
+        # per finished episode (EPISODE_METRICS): this rank's since the last sync, and every
+        # rank's of the current logging window
+        self.episodes: dict[str, list[float]] = {key: [] for key in EPISODE_METRICS}
+        self.window: dict[str, list[float]] = {key: [] for key in EPISODE_METRICS}
         self.evaluator: Evaluator | None = None
         self.best: dict[str, Any] | None = None  # the record of checkpoints/best (rank 0)
         self.bar = None
@@ -626,8 +654,8 @@ class FinetuneLoop:
             set_rng_state(state["rng"])
             self.counters.update(counters)
             self.counters.pop("step", None)
-            self.window_returns = state["window"]["returns"].tolist()
-            self.window_successes = state["window"]["successes"].tolist()
+            self.window = {key: state["window"][key].tolist() if key in state["window"] else []
+                           for key in EPISODE_METRICS}
             self.saved_step = self.step
             loop_state = dict(state["loop"])
             if state.get("replay") is not None:
@@ -666,24 +694,30 @@ class FinetuneLoop:
         count = int(count) * distributed.world_size()
         self.counters[self.counter] += count
         if info is not None and bool(info["_episode"].any()):
-            ended = info["_episode"]
-            self.record_episodes(info["episode"]["return"][ended].tolist(),
-                                 info["episode"]["success_once"][ended].float().tolist())
+            ended, episode = info["_episode"], info["episode"]
+            learned = "learned_success_once" in episode  # a learned reward's env (rewards.LearnedRewardEnv)
+            self.record_episodes(episode["return"][ended].tolist(), episode["success_once"][ended].float().tolist(),
+                                 episode["learned_return"][ended].tolist() if learned else None,
+                                 episode["learned_success_once"][ended].float().tolist() if learned else None)
         self.bar.update(count)
 
-    def record_episodes(self, returns: list[float], successes: list[float]) -> None:
-        """This rank's finished episodes; they count (counters["episodes"]) once synced."""
-        self.episode_returns += returns
-        self.episode_successes += successes
+    def record_episodes(self, returns: list[float], successes: list[float], learned_returns: list[float] | None = None,
+                        learned_successes: list[float] | None = None) -> None:
+        """This rank's finished episodes (the simulator's return and success, and with
+        reward=model:PATH the learned ones); they count (counters["episodes"]) once synced."""
+        finished = {"returns": returns, "successes": successes, "learned_returns": learned_returns,
+                    "learned_successes": learned_successes}
+        for key, values in finished.items():
+            self.episodes[key] += values or []
 
     def _sync_episodes(self) -> None:
         """Move every rank's newly finished episodes into the logging window (the same on every
         rank) and count them."""
-        for returns, successes in distributed.all_gather_objects((self.episode_returns, self.episode_successes)):
-            self.window_returns += returns
-            self.window_successes += successes
-            self.counters["episodes"] += len(returns)
-        self.episode_returns, self.episode_successes = [], []
+        for episodes in distributed.all_gather_objects(self.episodes):
+            for key, values in episodes.items():
+                self.window[key] += values
+            self.counters["episodes"] += len(episodes["returns"])
+        self.episodes = {key: [] for key in EPISODE_METRICS}
 
     def check_finite(self, quantity: str, value: Any, metrics: dict[str, Any] | None = None) -> None:
         """Stop the run (Diverged, exit code 3) when `value` is not finite; its row is logged."""
@@ -702,11 +736,11 @@ class FinetuneLoop:
             return False
         self._sync_episodes()
         row = dict(metrics)
-        if self.window_returns:
-            row["rollout/return"] = sum(self.window_returns) / len(self.window_returns)
-            row["rollout/success_rate"] = sum(self.window_successes) / len(self.window_successes)
-            row["rollout/episodes"] = len(self.window_returns)
-            self.window_returns, self.window_successes = [], []
+        if self.window["returns"]:
+            row.update({name: sum(self.window[key]) / len(self.window[key])
+                        for key, name in EPISODE_METRICS.items() if self.window[key]})
+            row["rollout/episodes"] = len(self.window["returns"])
+            self.window = {key: [] for key in EPISODE_METRICS}
         self.run.log(self.step, row)
         self.next_log = _next_multiple(self.step, self.log_every)
         return True
@@ -761,8 +795,7 @@ class FinetuneLoop:
         if not distributed.is_main():
             return path
         counters = {**self.counters, **self.evaluator.clock(), "ranks": distributed.world_size(), "step": self.step}
-        window = {"returns": torch.tensor(self.window_returns, dtype=torch.float64),
-                  "successes": torch.tensor(self.window_successes, dtype=torch.float64)}
+        window = {key: torch.tensor(values, dtype=torch.float64) for key, values in self.window.items()}
 
         def fill(directory: Path) -> None:
             self.write_agent(directory)

@@ -471,9 +471,11 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         model.train(gradient_steps=model.gradient_steps, batch_size=model.batch_size)
 
         loop.advance(vec_env.env_steps - loop.env_steps)
-        loop.record_episodes(list(vec_env.episode_returns), [float(s) for s in vec_env.episode_successes])
+        loop.record_episodes(list(vec_env.episode_returns), [float(s) for s in vec_env.episode_successes],
+                             learned_successes=[float(s) for s in vec_env.episode_learned_successes])
         vec_env.episode_returns.clear()
         vec_env.episode_successes.clear()
+        vec_env.episode_learned_successes.clear()
         for key in ("train/critic_loss", "train/actor_loss", "train/noise_critic_loss", "train/action_critic_loss"):
             if key in model.stats:  # divergence stops the run
                 loop.check_finite(key, model.stats[key], model.stats)

@@ -231,6 +231,7 @@ def collect_grpo(env, henv, actor, group_size: int, max_mdp_steps: int, sparse_r
     running = torch.ones(n, dtype=torch.bool, device=device)
     episode_return = torch.zeros(n, device=device)
     success = torch.zeros(n, dtype=torch.bool, device=device)
+    learned_success = torch.zeros(n, dtype=torch.bool, device=device)  # reward=model:PATH: the model's
     rows = []
     for _ in range(max_mdp_steps):
         obs_in, out, obs, reward, terminated, truncated, info = mdp_step(env, henv, actor, obs)
@@ -238,7 +239,11 @@ def collect_grpo(env, henv, actor, group_size: int, max_mdp_steps: int, sparse_r
         rows.append({"obs": obs_in, "logprob": out.logprob, "valid": running.float(), "stash": out.stash})
         reward = training_reward(reward, info, sparse_reward)
         episode_return += torch.where(running, reward, torch.zeros_like(reward))
-        success |= info["episode"]["success_once"] & info["_episode"] & running
+        ended = info["_episode"] & running
+        success |= info["episode"]["success_once"] & ended
+        learned = "learned_success_once" in info["episode"]  # a learned reward's env (rewards.LearnedRewardEnv)
+        if learned:
+            learned_success |= info["episode"]["learned_success_once"] & ended
         running &= ~done
         if not distributed.any_rank(bool(running.any())):  # every rank runs as many MDP steps
             break
@@ -253,6 +258,7 @@ def collect_grpo(env, henv, actor, group_size: int, max_mdp_steps: int, sparse_r
     batch["valid"] = batch["valid"] * informative.float()[None]
     batch["advantage"] = advantages[None].expand_as(batch["valid"]) * batch["valid"]
     stats = {"episodes": n, "returns": episode_return.tolist(), "successes": success.float().tolist(),
+             "learned_successes": learned_success.float().tolist() if learned else None,
              "informative_groups": float(informative.float().mean())}
     return batch, stats
 
@@ -322,7 +328,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         if grpo:
             batch, stats = collect_grpo(env, henv, actor, group_size, max_mdp_steps, rewards.sparse)
             loop.advance(batch["valid"].shape[0] * num_envs * steps_per_mdp)
-            loop.record_episodes(stats["returns"], stats["successes"])
+            loop.record_episodes(stats["returns"], stats["successes"], learned_successes=stats["learned_successes"])
         else:
             batch, obs = collect_ppo(env, henv, actor, obs, algo.num_steps, loop, rewards.sparse, shaping,
                                      rewards.bootstrap_truncation)

@@ -197,7 +197,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     dataset, success_terminates = load_demos(cfg, env)
     if dataset is None:
         raise UserError("algo=qc_fql needs demonstrations: the BC checkpoint records none; pass algo.data=PATH")
-    demos = demo_chunk_transitions(dataset, policy, algo.gamma, success_terminates, rewards.sparse, device)
+    demos = demo_chunk_transitions(dataset, policy, algo.gamma, success_terminates, rewards.demo_sparse, device)
     act_generator = torch.Generator(device=policy.device).manual_seed(seed + 3)  # z of the rollouts
     data = ChunkOffPolicy(env, policy, rewards, algo, demos, seed, device, act_generator)
 

@@ -283,7 +283,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     value_optimizer = torch.optim.Adam(value.parameters(), lr=algo.value_lr)
 
     dataset = DemoDataset.load(find_demo_path(cfg))
-    demos = demo_episodes(dataset, policy, rewards.sparse, success_terminates)
+    demos = demo_episodes(dataset, policy, rewards.demo_sparse, success_terminates)
     demo_windows = ChunkWindows(dataset, policy.n_obs_steps, policy.horizon, policy.obs_mode, device)
     agent = RecapAgent(policy, indicator, num_envs, algo.guidance, seed=seed)
     sampler = torch.Generator().manual_seed(seed + 1)  # batches and indicator dropout

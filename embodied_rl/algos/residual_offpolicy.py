@@ -327,7 +327,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     distributed.broadcast_modules([learner.actor, learner.actor_target, learner.critic, learner.critic_target])
     distributed.seed_rank(seed)  # the ranks explore and sample their replay with different noise
     warm_start = WarmStart(algo.warmup_env_steps, algo.critic_only_steps)
-    sparse = reward_settings(cfg).sparse
+    rewards = reward_settings(cfg)
     shapes = {"obs": (obs_dim,), "base": (action_dim,), "action": (action_dim,), "reward": (), "discount": (),
               "next_obs": (obs_dim,), "next_base": (action_dim,)}
     replay = Replay(algo.buffer_size, shapes, device)
@@ -339,7 +339,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     demos = None
     dataset, success_terminates = load_demos(cfg, env) if algo.demo_fraction > 0 else (None, True)
     if dataset is not None:
-        demos = demo_transitions(dataset, policy, algo.gamma, success_terminates, device, sparse)
+        demos = demo_transitions(dataset, policy, algo.gamma, success_terminates, device, rewards.demo_sparse)
         for key in ("obs", "next_obs"):
             demos[key] = features(demos[key])
     takeover = ExpertTakeover(num_envs)
@@ -402,7 +402,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         queue.reset(done.cpu())
         next_base = queue.act(next_obs)
         window.append({"obs": obs_features, "base": base, "action": action,
-                       "reward": training_reward(reward, info, sparse), "terminated": terminated,
+                       "reward": training_reward(reward, info, rewards.sparse), "terminated": terminated,
                        "truncated": truncated, "next_obs": features(final_obs),
                        "next_base": torch.where(done[:, None], bootstrap_base, next_base), "driven": takeover.driven})
         if len(window) == algo.n_step:  # the oldest step now has its n-step return

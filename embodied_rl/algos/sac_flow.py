@@ -254,7 +254,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         if dataset is None:
             raise UserError("algo.demo_fraction > 0 needs demonstrations: the BC checkpoint records none; "
                             "pass algo.data=PATH or algo.demo_fraction=0")
-        demos = demo_chunk_transitions(dataset, policy, algo.gamma, success_terminates, rewards.sparse, device)
+        demos = demo_chunk_transitions(dataset, policy, algo.gamma, success_terminates, rewards.demo_sparse, device)
     act_generator = torch.Generator().manual_seed(seed + 3)
     data = ChunkOffPolicy(env, policy, rewards, algo, demos, seed, device, act_generator)
 

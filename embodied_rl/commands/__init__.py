@@ -141,3 +141,34 @@ def checkpoint_task(policy: Any, path: Path, requested: str | None) -> str:
         raise UserError(f"checkpoint '{path}' was trained on the instructions {instructions}, but task '{trained_on}' "
                         f"has {list(task.instructions)}")
     return trained_on
+
+
+def load_checkpoint_agent(path: str | Path, num_envs: int, device: str, task: str | None) -> tuple[Path, Any, Any, str]:
+    """(checkpoint, policy, agent, task) of a BC or fine-tuned checkpoint (a run directory stands
+    for its checkpoints/last): its policy (a fine-tuned one's base policy: what the env must
+    show it), the agent that acts with it (`reset(mask)`, `act(obs)`) and the task it runs on
+    (`checkpoint_task`). A corrupt checkpoint or one with non-finite weights is a UserError."""
+    from embodied_rl.actors import AGENT_FILE, BASE_POLICY, load_agent, resolve_checkpoint
+    from embodied_rl.algos.common import refuse_non_finite_checkpoint
+    from embodied_rl.policies import PolicyRunner
+
+    checkpoint = resolve_checkpoint(Path(str(path)).expanduser())
+    finetuned = (checkpoint / AGENT_FILE).is_file()  # an RL checkpoint: its actor acts
+    policy = load_checkpoint(checkpoint / BASE_POLICY if finetuned else checkpoint, device)
+    task = checkpoint_task(policy, checkpoint, task)
+    agent = load_agent(checkpoint, num_envs, device) if finetuned else PolicyRunner(policy, num_envs)
+    refuse_non_finite_checkpoint(checkpoint, policy, agent)
+    return checkpoint, policy, agent, task
+
+
+def load_checkpoint(path: Path, device: str = "cpu") -> Any:
+    """`load_policy(path, device)`, with a corrupt or unreadable checkpoint turned into one UserError."""
+    from embodied_rl.policies import load_policy
+
+    try:
+        return load_policy(path, device=device)
+    except UserError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, json.JSONDecodeError) as error:
+        # safetensors, json and torch report corrupt files with these; name the checkpoint.
+        raise UserError(f"cannot load checkpoint '{path}': {type(error).__name__}: {error}") from None

@@ -1,11 +1,16 @@
 """embodied-rl collect: run a task's scripted expert in parallel envs and write a demo dataset.
 
-Each env's episode is recorded step by step (state obs, action, reward, optionally pixels, and
-for a task with instructions the step's instruction id, with the texts in attrs["instructions"]); a
+Each env's episode is recorded step by step (state obs, action, reward, the simulator's success
+at the state each step reached, optionally pixels, and for a task with instructions the step's
+instruction id, with the texts in attrs["instructions"]), with the observation it ended in; a
 finished episode is kept if it succeeded (or always, with only_success=false or for a task
 without success, like hopper) and was not cut short by unstable physics. Collection stops once
 `demos` episodes are kept, or after `max_episodes` attempts (default 20 * demos): then whatever
 was kept is written.
+
+`checkpoint=PATH` records a policy checkpoint's rollouts instead of the expert's (BC or
+fine-tuned; a run directory stands for its checkpoints/last), successes and failures alike by
+default: the data train-reward learns success and progress from (docs/rewards.md).
 
 `per_instruction=k` makes a few-shot multi-task set: at most k episodes are kept per instruction
 (per task of a Meta-World suite). An instruction given 10 * k attempts is given up,
@@ -36,20 +41,32 @@ def default_num_envs(cfg: DictConfig) -> int:
 
 
 def validate(cfg: DictConfig) -> dict[str, Any]:
-    """Check the config before any work (a null num_envs becomes `default_num_envs`); return the
-    task's options (envs.task_overrides)."""
+    """Check the config before any work (a null num_envs becomes `default_num_envs`, a null
+    only_success true for the expert and false for a checkpoint); return the task's options
+    (envs.task_overrides)."""
     from omegaconf import open_dict
 
     from embodied_rl.commands import validate_common
     from embodied_rl.envs import task_overrides
 
-    if cfg.num_envs is None:
-        with open_dict(cfg):
+    with open_dict(cfg):
+        if cfg.num_envs is None:
             cfg.num_envs = default_num_envs(cfg)
+        if cfg.only_success is None:
+            cfg.only_success = cfg.checkpoint is None
     validate_common(cfg)
     task_options = task_overrides(cfg.task)
-    if cfg.task.get("expert") is False:
-        raise UserError(f"task '{cfg.task.name}' has no scripted expert, so collect cannot make demos for it")
+    if not isinstance(cfg.only_success, bool):
+        raise UserError(f"only_success must be true, false or null, got {cfg.only_success!r}")
+    if cfg.checkpoint is not None:
+        if not Path(str(cfg.checkpoint)).expanduser().exists():
+            raise UserError(f"checkpoint '{cfg.checkpoint}' does not exist")
+        if cfg.quality != cfg.task.get("quality", cfg.quality):
+            raise UserError("quality sets the scripted expert's quality; a checkpoint's rollouts have none "
+                            "(leave quality out with checkpoint=)")
+    elif cfg.task.get("expert") is False:
+        raise UserError(f"task '{cfg.task.name}' has no scripted expert, so collect cannot make demos for it "
+                        "(checkpoint=PATH records a policy's rollouts instead)")
     # demos and quality default to the task's (configs/task/<task>.yaml)
     if not isinstance(cfg.demos, int) or isinstance(cfg.demos, bool):
         raise UserError(f"demos must be an integer >= 1, got {cfg.demos!r}")
@@ -72,8 +89,9 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
 def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_success: bool,
                      pixels: bool, seed: int, per_instruction: int | None = None,
                      ) -> tuple[list[dict[str, np.ndarray]], int, int]:
-    """Run the expert until `demos` episodes are kept (or, with `per_instruction`, every
-    instruction is full or given up); return (kept, attempted, successes)."""
+    """Run the expert (or any agent: `reset(mask)`, `act(obs)`) until `demos` episodes are kept
+    (or, with `per_instruction`, every instruction is full or given up); return (kept,
+    attempted, successes)."""
     n = env.num_envs
     num_instructions = len(env.instructions)
     kept_by = np.zeros(max(num_instructions, 1), dtype=np.int64)  # per instruction id
@@ -89,7 +107,7 @@ def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_
     expert.reset(torch.ones(n, dtype=torch.bool))
 
     def empty() -> dict[str, list]:
-        return {"obs": [], "action": [], "reward": [], "pixels": [], "instruction": []}
+        return {"obs": [], "action": [], "reward": [], "step_success": [], "pixels": [], "instruction": []}
 
     buffers = [empty() for _ in range(n)]
     kept: list[dict[str, np.ndarray]] = []
@@ -101,11 +119,12 @@ def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_
         frames = obs["pixels"].cpu().numpy() if pixels else None
         instruction = obs["instruction"].cpu().numpy() if isinstance(obs, dict) and "instruction" in obs else None
         obs, reward, _, _, info = env.step(action)
-        action_np, reward_np = action.cpu().numpy(), reward.cpu().numpy()
+        action_np, reward_np, success_np = action.cpu().numpy(), reward.cpu().numpy(), info["success"].cpu().numpy()
         for i in range(n):
             buffers[i]["obs"].append(state[i])
             buffers[i]["action"].append(action_np[i])
             buffers[i]["reward"].append(reward_np[i])
+            buffers[i]["step_success"].append(success_np[i])
             if pixels:
                 buffers[i]["pixels"].append(frames[i])
             if instruction is not None:
@@ -113,6 +132,9 @@ def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_
         done = info["_episode"].cpu()
         success_once = info["episode"]["success_once"].cpu()
         unstable = info["unstable"].cpu()
+        final = info["final_obs"]  # the observation each finished episode ended in
+        final_state = (final["state"] if isinstance(final, dict) else final).cpu().numpy()
+        final_frames = final["pixels"].cpu().numpy() if pixels else None
         for i in torch.nonzero(done).flatten().tolist():
             attempted += 1
             success = bool(success_once[i]) and not bool(unstable[i])
@@ -124,13 +146,30 @@ def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_
                 kept_by[instruction_id] += 1
                 episode = {key: np.stack(value) for key, value in buffers[i].items() if value}
                 episode["success"] = success
+                episode["final_obs"] = final_state[i]
+                if pixels:
+                    episode["final_pixels"] = final_frames[i]
                 kept.append(episode)
-                bar.set_postfix(expert_success=f"{100 * successes / attempted:.0f}%")
+                bar.set_postfix(success=f"{100 * successes / attempted:.0f}%")
                 bar.update(1)
             buffers[i] = empty()
         expert.reset(done)
     bar.close()
     return kept, attempted, successes
+
+
+def env_options(cfg: DictConfig, policy: Any | None) -> dict[str, Any]:
+    """The envs.make keywords of what is recorded (frames at image_size with pixels=true) and,
+    for a checkpoint, of what its policy reads: a state policy ignores the frames, a pixel
+    policy reads the recorded ones, so they must be its size."""
+    options = {"obs_mode": "pixels" if cfg.pixels else "state", "image_size": int(cfg.image_size)}
+    if policy is not None and policy.obs_mode == "pixels":
+        size = policy.env_options()["image_size"]
+        if cfg.pixels and size != int(cfg.image_size):
+            raise UserError(f"checkpoint '{cfg.checkpoint}' reads {size}x{size} frames, so it records those: "
+                            f"image_size={size}")
+        options = {"obs_mode": "pixels", "image_size": size}
+    return options
 
 
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
@@ -140,22 +179,28 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
 
     task_options = validate(cfg)
     started = time.perf_counter()
+    policy = agent = None
+    if cfg.checkpoint is not None:  # a policy's rollouts instead of the expert's
+        from embodied_rl.commands import load_checkpoint_agent
+        from embodied_rl.eval.evaluate import seed_agent
+
+        checkpoint, policy, agent, _ = load_checkpoint_agent(cfg.checkpoint, cfg.num_envs, str(cfg.device),
+                                                             cfg.task.name)
+        seed_agent(agent, int(cfg.seed) + 1)
     # the env first: a task or backend it refuses leaves no run directory behind
-    env = make(
-        cfg.task.name, num_envs=cfg.num_envs, backend=cfg.backend, device=cfg.device, seed=cfg.seed,
-        obs_mode="pixels" if cfg.pixels else "state", image_size=cfg.image_size,
-        task_options=task_options,
-    )
+    env = make(cfg.task.name, num_envs=cfg.num_envs, backend=cfg.backend, device=cfg.device, seed=cfg.seed,
+               task_options=task_options, **env_options(cfg, policy))
     try:
         run = start_run(cfg, "collect")
         out = Path(cfg.out) if cfg.out is not None else run.file("demos.zarr")
-        generator = torch.Generator().manual_seed(int(cfg.seed) + 1)
-        expert = make_expert(cfg.task.name, env, quality=float(cfg.quality), generator=generator)
+        if agent is None:
+            generator = torch.Generator().manual_seed(int(cfg.seed) + 1)
+            agent = make_expert(cfg.task.name, env, quality=float(cfg.quality), generator=generator)
         max_episodes = cfg.max_episodes if cfg.max_episodes is not None else 20 * cfg.demos
         # a task without success (reward-only, e.g. hopper) keeps every stable episode
         has_success = bool(env.task.has_success)
         kept, attempted, successes = collect_episodes(
-            env, expert, cfg.demos, max_episodes, cfg.only_success and has_success, cfg.pixels, cfg.seed,
+            env, agent, cfg.demos, max_episodes, cfg.only_success and has_success, cfg.pixels, cfg.seed,
             cfg.per_instruction,
         )
         obs_dim, action_dim = env.task.obs_dim, env.task.action_dim
@@ -165,16 +210,17 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     # a task without success reports no success rate; the demos' mean return stands in
     success_rate = successes / max(attempted, 1) if has_success else None
     demo_return = float(np.mean([episode["reward"].sum() for episode in kept])) if kept else None
+    who = "expert" if cfg.checkpoint is None else "policy"  # whose success rate it is
     if not kept:
         raise UserError(
-            f"the expert kept no episode in {attempted} attempts (success rate {success_rate or 0:.2f}); "
-            "raise quality or set only_success=false"
+            f"the {who} kept no episode in {attempted} attempts (success rate {success_rate or 0:.2f}); "
+            + ("raise quality or set only_success=false" if who == "expert" else "set only_success=false")
         )
+    source = {"quality": float(cfg.quality)} if who == "expert" else {"checkpoint": str(checkpoint)}
     attrs = {
-        "task": cfg.task.name, "obs_dim": obs_dim, "action_dim": action_dim,
-        "quality": float(cfg.quality), "seed": int(cfg.seed),
+        "task": cfg.task.name, "obs_dim": obs_dim, "action_dim": action_dim, **source, "seed": int(cfg.seed),
         "backend": resolve_backend(cfg.task.name, cfg.backend),
-        "only_success": bool(cfg.only_success), "expert_success_rate": success_rate,
+        "only_success": bool(cfg.only_success), f"{who}_success_rate": success_rate,
     }
     if instructions:
         attrs["instructions"] = instructions
@@ -184,15 +230,15 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         "dataset": str(out),
         "episodes_written": len(kept),
         "episodes_attempted": attempted,
-        "expert_success_rate": success_rate,
+        f"{who}_success_rate": success_rate,
         "demo_return_mean": demo_return,
-        "quality": float(cfg.quality),
+        **source,
         "per_instruction": cfg.per_instruction,
         "seed": int(cfg.seed),
         "pixels": bool(cfg.pixels),
         "wall_time_s": time.perf_counter() - started,
     }
-    if success_rate is not None and success_rate < 0.9:
+    if who == "expert" and success_rate is not None and success_rate < 0.9:
         # An expert below 90% (e.g. some Meta-World scripted policies) makes noisy demos unless
         # its failures are dropped, which only_success=true (the default) does.
         kept_what = "only its successful episodes were kept" if cfg.only_success else \
@@ -200,7 +246,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         info["note"] = f"the expert succeeded in {success_rate:.0%} of {attempted} episodes (< 90%); {kept_what}"
     run.write_json("collect_info.json", info)
     run.close()
-    quality_key, quality_value = (("expert_success_rate", success_rate) if has_success
+    quality_key, quality_value = ((f"{who}_success_rate", success_rate) if has_success
                                   else ("demo_return_mean", demo_return))
     headline = {"dataset": str(out), quality_key: quality_value, "episodes_written": len(kept)}
     if "note" in info:

@@ -28,7 +28,6 @@ round): a language ablation on the very episodes of the same eval without it. ev
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -140,19 +139,6 @@ def shuffle_instructions(agent: Any, policy: Any, num_envs: int) -> ShufflesInst
     return ShufflesInstructions(agent, num_envs)
 
 
-def load_checkpoint(path: Path, device: str = "cpu") -> Any:
-    """`load_policy(path, device)`, with a corrupt or unreadable checkpoint turned into one UserError."""
-    from embodied_rl.policies import load_policy
-
-    try:
-        return load_policy(path, device=device)
-    except UserError:
-        raise
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError, json.JSONDecodeError) as error:
-        # safetensors, json and torch report corrupt files with these; name the checkpoint.
-        raise UserError(f"cannot load checkpoint '{path}': {type(error).__name__}: {error}") from None
-
-
 def write_eval_report(run_dir: Path, eval_info: dict[str, Any]) -> Path:
     """report.md: the result table, the videos and how the run was made."""
     from embodied_rl.eval.report import run_section, success_table, video_links, write_report
@@ -188,29 +174,23 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
 
         return evaluate.main(cfg)
     refuse_lm_checkpoint(cfg)
-    from embodied_rl.actors import AGENT_FILE, BASE_POLICY, load_agent, resolve_checkpoint
-    from embodied_rl.algos.common import refuse_non_finite_checkpoint, saved_env_step
-
-    checkpoint = resolve_checkpoint(validate(cfg))  # a run directory stands for its checkpoints/last
-    step = saved_env_step(checkpoint)
-    taken = str(checkpoint) if step is None else f"{checkpoint} (env step {step})"  # the headline says which
-
-    finetuned = (checkpoint / AGENT_FILE).is_file()  # an RL checkpoint: its actor acts
-    policy = load_checkpoint(checkpoint / BASE_POLICY if finetuned else checkpoint, str(cfg.device))
-    from embodied_rl.commands import checkpoint_task
+    from embodied_rl.algos.common import saved_env_step
+    from embodied_rl.commands import load_checkpoint_agent
     from embodied_rl.runs import start_run
-
-    # without task=, the checkpoint's own task
-    task = checkpoint_task(policy, checkpoint, OmegaConf.select(cfg, "task.name", default=None))
-
-    import embodied_rl.envs as envs
-    from embodied_rl.eval.evaluate import evaluate, success_text
-    from embodied_rl.policies import PolicyRunner
 
     episodes = int(cfg.episodes)
     # The default (videos unset) records up to 4 episodes, never more than are run.
     videos = min(4, episodes) if cfg.videos is None else int(cfg.videos)
     num_envs = min(int(cfg.num_envs), episodes)
+    # without task=, the checkpoint's own task; a run directory stands for its checkpoints/last
+    checkpoint, policy, agent, task = load_checkpoint_agent(
+        validate(cfg), num_envs, str(cfg.device), OmegaConf.select(cfg, "task.name", default=None))
+    step = saved_env_step(checkpoint)
+    taken = str(checkpoint) if step is None else f"{checkpoint} (env step {step})"  # the headline says which
+
+    import embodied_rl.envs as envs
+    from embodied_rl.eval.evaluate import evaluate, success_text
+
     options = policy.env_options()  # the env renders what the policy was trained on
     # task= given: its config's overrides (task.max_episode_steps=N, ...); else the task as it is
     task_options = envs.task_overrides(cfg.task) if OmegaConf.select(cfg, "task.name") else {}
@@ -224,11 +204,6 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         task, num_envs=num_envs, backend=cfg.backend, device=cfg.device, seed=int(cfg.seed),
         render_size=int(cfg.video_size), task_options=task_options, **options,
     )
-    if finetuned:
-        agent = load_agent(checkpoint, num_envs, str(cfg.device))
-    else:
-        agent = PolicyRunner(policy, num_envs)  # evaluate() reseeds its generator every round
-    refuse_non_finite_checkpoint(checkpoint, policy, agent)
     if cfg.get("instruction") is not None:
         agent = read_instruction(agent, str(cfg.instruction))
     if cfg.get("instruction_shuffle"):

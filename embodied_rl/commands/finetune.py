@@ -4,6 +4,10 @@ Validates the config, creates the run directory or resumes it (a run_dir holding
 checkpoints/last continues from there), loads the base policy, makes the training env and hands
 them to the algorithm: `ALGOS[algo.name]` is a module with
 `finetune(cfg, run, env, policy) -> headline dict` (docs/finetuning.md).
+
+`reward=model:PATH` pays the learner a reward model's judgement instead of the simulator's
+reward: the training env becomes a rewards.LearnedRewardEnv (docs/rewards.md), whatever the
+algorithm; evaluation still scores the simulator's success.
 """
 
 from __future__ import annotations
@@ -88,6 +92,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     if is_lm_task(cfg):  # task=lm/<name>: RL on a language model (embodied_rl/lm)
         from embodied_rl.lm import rl
 
+        if str(cfg.reward) != "sim":
+            raise UserError("reward=model:PATH is for robot tasks; a language task is scored by its verifier")
         return rl.main(cfg)
     refuse_lm_checkpoint(cfg)
     checkpoint = validate(cfg)
@@ -99,6 +105,9 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     from embodied_rl.runs import check_previous_run, start_run
 
     checkpoint_task(policy, checkpoint, cfg.task.name)
+    from embodied_rl.rewards import LearnedReward
+
+    learned = LearnedReward.from_cfg(cfg, policy)  # None: the simulator's reward
 
     import embodied_rl.envs as envs
     from embodied_rl import distributed
@@ -107,11 +116,15 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     if distributed.active() and not getattr(module, "DATA_PARALLEL", False):
         raise UserError(f"algo={cfg.algo.name} runs in one process; under torchrun use a PPO-family algo or "
                         "residual_offpolicy")
+    options, task_options = policy.env_options(), envs.task_overrides(cfg.task)  # what the policy reads
+    if learned is not None:  # and the frames the reward model reads
+        options, task_options = learned.env_options(options, task_options)
     # under torchrun each rank steps its own shard of the envs with its own seeds
     env = envs.make(cfg.task.name, num_envs=distributed.shard(int(cfg.num_envs)), backend=cfg.backend,
-                    device=cfg.device, seed=distributed.rank_seed(int(cfg.seed)),
-                    task_options=envs.task_overrides(cfg.task),
-                    **policy.env_options())  # the observations the policy was trained on
+                    device=cfg.device, seed=distributed.rank_seed(int(cfg.seed)), task_options=task_options,
+                    **options)
+    if learned is not None:
+        env = learned.wrap(env, keep_pixels=policy.obs_mode == "pixels")
     if env.action_dim != policy.action_dim:
         raise UserError(f"checkpoint '{checkpoint}' acts in {policy.action_dim} dims, task {cfg.task.name} in {env.action_dim}")
     from embodied_rl.algos.common import find_checkpoint
@@ -142,6 +155,7 @@ def write_finetune_report(cfg: DictConfig, run: Any) -> Path:
 
     from embodied_rl.algos.common import read_best
     from embodied_rl.eval.report import (
+        learned_reward_curve,
         learning_curve,
         run_section,
         success_table,
@@ -176,6 +190,8 @@ def write_finetune_report(cfg: DictConfig, run: Any) -> Path:
         ("Result", success_table(results) if results else "_no evaluation was logged (eval_every=0)_"),
         ("Learning curve", learning_curve(rows, run.file("plots", "learning_curve.png"), run.path,
                                           f"{cfg.task.name}: {cfg.algo.name} fine-tuning")),
+        *([("Learned vs true success", learned_reward_curve(rows, run.file("plots", "learned_reward.png"), run.path))]
+          if any("train/learned_success_rate" in row for row in rows) else []),  # reward=model:PATH
         ("Videos of the last evaluation", video_links(final, run.path)),
         ("Run", run_section(tensorboard=True, wall_s=wall[-1] if wall else None,
                             training_wall_s=train_wall[-1] if train_wall else None)),

@@ -7,12 +7,20 @@
       data/pixels          uint8 [T, H, W, 3]   only when collected with pixels=true
       data/instruction     int64 [T]        only for a task with instructions: the step's
                                             instruction id, an index into attrs["instructions"]
+      data/step_success    bool [T]         the simulator's success at the state the step
+                                            reached (info["success"]; datasets from collect)
+      meta/final_obs       float32 [E, D]   the state observation each episode ended in (the
+                                            state its last step reached; datasets from collect)
+      meta/final_pixels    uint8 [E, H, W, 3]   its frame, with data/pixels
       meta/episode_ends    int64 [E]        exclusive end index of each episode in the step axis
       meta/episode_success bool [E]
       attrs: format, task, obs_dim, action_dim, instructions (list of str, with data/instruction),
         plus whatever the collector records
 
 Episode e covers steps [episode_ends[e-1], episode_ends[e]) (0 for the first episode).
+Row t holds the observation *before* step t's action; the state that action reached is row t+1's
+observation, or meta/final_obs for an episode's last step. step_success and the final
+observations are what the reward models of train-reward learn from (embodied_rl/rewards).
 Writes go to a temporary sibling and are renamed into place, so a dataset is whole or absent.
 Every chunk is written, even one that holds only zeros (zarr skips those by default, and a
 missing chunk reads as zeros): `load` refuses an array with a missing chunk file.
@@ -31,18 +39,20 @@ from embodied_rl.runs import atomic_dir
 
 FORMAT = "embodied_rl.demos/v1"
 STEP_KEYS = ("obs", "action", "reward")
-OPTIONAL_KEYS = ("pixels", "instruction")  # per-step arrays some datasets have
+OPTIONAL_KEYS = ("pixels", "instruction", "step_success")  # per-step arrays some datasets have
+FINAL_KEYS = ("final_obs", "final_pixels")  # per-episode arrays some datasets have (meta/)
 # attrs flag of datasets whose every chunk was written (write_empty_chunks); in older ones a chunk
 # of all-zero rewards or all-False successes may be absent on purpose
 ALL_CHUNKS = "all_chunks_written"
 # arrays that never hold a whole chunk of zeros, so a missing chunk is damage in any dataset
-NEVER_ZERO = ("data/obs", "data/action", "data/pixels", "meta/episode_ends")
+NEVER_ZERO = ("data/obs", "data/action", "data/pixels", "meta/episode_ends", "meta/final_pixels")
 WRITE_EVERY_CHUNK = {"write_empty_chunks": True}
 
 
 def write_demos(path: str | Path, episodes: list[dict[str, np.ndarray]], attrs: dict[str, Any]) -> Path:
-    """Write episodes (dicts of per-step arrays: obs, action, reward, optional pixels and
-    instruction, and a scalar `success`) as one zarr dataset at `path`; episodes with an
+    """Write episodes (dicts of per-step arrays: obs, action, reward, optional pixels,
+    instruction and step_success, a scalar `success`, and optionally the episode's `final_obs`
+    [D] and `final_pixels` [H, W, 3]) as one zarr dataset at `path`; episodes with an
     instruction need attrs["instructions"]. Refuses to overwrite an existing path."""
     import zarr
 
@@ -62,6 +72,8 @@ def write_demos(path: str | Path, episodes: list[dict[str, np.ndarray]], attrs: 
             array = np.concatenate([np.asarray(ep[key]) for ep in episodes], axis=0)
             if key == "instruction":
                 array = array.astype(np.int64)
+            elif key == "step_success":
+                array = array.astype(bool)
             elif key != "pixels":
                 array = array.astype(np.float32)
             chunks = (min(len(array), 1024 if key != "pixels" else 64),) + array.shape[1:]
@@ -70,6 +82,12 @@ def write_demos(path: str | Path, episodes: list[dict[str, np.ndarray]], attrs: 
         meta.create_array("episode_ends", data=np.cumsum(lengths).astype(np.int64), config=WRITE_EVERY_CHUNK)
         success = np.array([bool(ep.get("success", False)) for ep in episodes])
         meta.create_array("episode_success", data=success, config=WRITE_EVERY_CHUNK)
+        for key in FINAL_KEYS:
+            if key in episodes[0]:
+                array = np.stack([np.asarray(ep[key]) for ep in episodes])
+                array = array if key == "final_pixels" else array.astype(np.float32)
+                meta.create_array(key, data=array, chunks=(min(len(array), 64),) + array.shape[1:],
+                                  config=WRITE_EVERY_CHUNK)
         root.attrs.update({"format": FORMAT, **attrs, ALL_CHUNKS: True})
     return path
 
@@ -118,6 +136,9 @@ class DemoDataset:
     attrs: dict[str, Any] = field(default_factory=dict)
     instruction: np.ndarray | None = None  # int64 [T]: index into `instructions`, per step
     instructions: list[str] = field(default_factory=list)  # the task's instructions ([]: none)
+    step_success: np.ndarray | None = None  # bool [T]: success at the state step t reached
+    final_obs: np.ndarray | None = None  # float32 [E, D]: the state each episode ended in
+    final_pixels: np.ndarray | None = None  # uint8 [E, H, W, 3]: its frame
 
     @property
     def num_episodes(self) -> int:
@@ -146,6 +167,8 @@ class DemoDataset:
             arrays = {key: root["data"][key][:] for key in STEP_KEYS}
             pixels = root["data"]["pixels"][:] if "pixels" in root["data"] else None
             instruction = root["data"]["instruction"][:] if "instruction" in root["data"] else None
+            step_success = root["data"]["step_success"][:].astype(bool) if "step_success" in root["data"] else None
+            finals = {key: root["meta"][key][:] for key in FINAL_KEYS if key in root["meta"]}
             ends = root["meta"]["episode_ends"][:].astype(np.int64)
             success = root["meta"]["episode_success"][:].astype(bool)
         except UserError:
@@ -160,17 +183,23 @@ class DemoDataset:
             lengths["pixels"] = len(pixels)
         if instruction is not None:
             lengths["instruction"] = len(instruction)
+        if step_success is not None:
+            lengths["step_success"] = len(step_success)
         if len(set(lengths.values())) != 1:
             raise UserError(f"dataset '{path}' is corrupt: step arrays have different lengths {lengths}")
         if len(ends) == 0 or ends[-1] != steps or np.any(np.diff(ends) <= 0) or len(success) != len(ends):
             raise UserError(f"dataset '{path}' is corrupt: meta/episode_ends does not match {steps} steps")
+        for key, value in finals.items():
+            if len(value) != len(ends):
+                raise UserError(f"dataset '{path}' is corrupt: meta/{key} holds {len(value)} episodes, "
+                                f"meta/episode_ends {len(ends)}")
         if not (np.isfinite(arrays["obs"]).all() and np.isfinite(arrays["action"]).all()):
             raise UserError(f"dataset '{path}' is corrupt: non-finite values in obs or action")
         instructions = _check_instructions(path, instruction, attrs.get("instructions"))
         if instruction is not None:
             instruction = instruction.astype(np.int64)
         dataset = cls(path, arrays["obs"], arrays["action"], arrays["reward"], ends, success, pixels, attrs,
-                      instruction, instructions)
+                      instruction, instructions, step_success, finals.get("final_obs"), finals.get("final_pixels"))
         if max_episodes is not None and max_episodes < dataset.num_episodes:
             dataset = dataset.first_episodes(max_episodes)
         return dataset
@@ -182,4 +211,7 @@ class DemoDataset:
             self.episode_ends[:count], self.episode_success[:count],
             None if self.pixels is None else self.pixels[:end], dict(self.attrs),
             None if self.instruction is None else self.instruction[:end], list(self.instructions),
+            None if self.step_success is None else self.step_success[:end],
+            None if self.final_obs is None else self.final_obs[:count],
+            None if self.final_pixels is None else self.final_pixels[:count],
         )

@@ -130,6 +130,11 @@ class Task:
     instructions: tuple[str, ...] = ()  # non-empty: language-conditioned (obs["instruction"] ids)
     fixed_instruction: int | None = None  # an id: every episode gets that instruction (eval env_instruction=)
     backends: tuple[str, ...] = ("mujoco", "mujoco_warp", "gymnasium", "process")  # the first is the default
+    # where the end effector sits in the state observation: the indices of its position (metres)
+    # and of the gripper's opening or closure in [0, 1] (None: no gripper). The progress
+    # pseudo-labels of train-reward read them (gripper changes, end-effector pauses).
+    effector_obs: tuple[int, ...] = ()
+    gripper_obs: int | None = None
 
     def __init__(self, **overrides: Any):
         for key, value in overrides.items():

@@ -174,6 +174,16 @@ def learning_curve(rows: Sequence[Mapping[str, Any]], path: str | Path, base: st
             "Shaded: 95% Wilson interval.")
 
 
+def learned_reward_curve(rows: Sequence[Mapping[str, Any]], path: str | Path, base: str | Path) -> str:
+    """Plot a learned-reward run's training episodes (reward=model:PATH): the success the
+    reward model paid for against the simulator's, per logging window; the markdown that shows it."""
+    plot_curve(rows, "step", ["train/learned_success_rate", "rollout/success_rate"], path,
+               title="training episodes: learned vs true success")
+    return (image_link(path, base, "learned vs true success") + "\n\nx: env steps. The learner is paid the "
+            "learned success; the simulator's (rollout/success_rate) is what counts. A learned rate that rises "
+            "while the true one falls is reward hacking: the policy games the reward model.")
+
+
 def command_line() -> str | None:
     """The `embodied-rl ...` command line of this process, when it is the CLI."""
     import sys

@@ -83,7 +83,7 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
-def _load_tensors(file: Path, checkpoint: Path) -> dict[str, torch.Tensor]:
+def load_tensors(file: Path, checkpoint: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     if not file.is_file():
@@ -94,7 +94,7 @@ def _load_tensors(file: Path, checkpoint: Path) -> dict[str, torch.Tensor]:
         raise UserError(f"checkpoint '{checkpoint}': {file.name} is corrupt or truncated ({error})") from None
 
 
-def _check_state(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], what: str) -> None:
+def check_tensors(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], what: str) -> None:
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
     if missing:
@@ -128,11 +128,11 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu") -> ChunkPo
         policy = POLICIES[policy_type](normalizer=normalizer, **kwargs)
     except (KeyError, TypeError, ValueError) as error:
         raise UserError(f"checkpoint '{path}': {CONFIG} does not describe a valid {policy_type} policy ({error})") from None
-    model = _load_tensors(path / MODEL, path)
-    normalizer_state = _load_tensors(path / NORMALIZER, path)
+    model = load_tensors(path / MODEL, path)
+    normalizer_state = load_tensors(path / NORMALIZER, path)
     expected_model, expected_normalizer = _split_state(policy)
-    _check_state(expected_model, model, f"checkpoint '{path}' {MODEL}")
-    _check_state(expected_normalizer, normalizer_state, f"checkpoint '{path}' {NORMALIZER}")
+    check_tensors(expected_model, model, f"checkpoint '{path}' {MODEL}")
+    check_tensors(expected_normalizer, normalizer_state, f"checkpoint '{path}' {NORMALIZER}")
     state = {**model, **{f"normalizer.{k}": v for k, v in normalizer_state.items()}}
     policy.load_state_dict(state, strict=True)
     return policy.to(device).eval()

@@ -54,6 +54,7 @@ class LiftTask(Task):
     obs_dim = 13
     action_dim = 5
     camera = "front"
+    effector_obs, gripper_obs = (0, 1, 2), 4  # hand xyz, finger opening
     has_success = True
     success_criterion = "the cube's centre is at least 5 cm above its resting height (ends the episode)"
     success_terminates = True

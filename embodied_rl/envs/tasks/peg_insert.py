@@ -40,6 +40,7 @@ class PegInsertTask(Task):
     obs_dim = 9
     action_dim = 3
     camera = "front"
+    effector_obs = (0, 1, 2)  # peg tip xyz
     has_success = True
     success_criterion = "the peg tip is at least 2.5 cm below the rim, within 4 mm of the hole axis (ends the episode)"
     success_terminates = True

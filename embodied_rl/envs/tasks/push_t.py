@@ -197,6 +197,7 @@ class PushTTask(Task):
     obs_dim = 6
     action_dim = 2
     camera = "top"
+    effector_obs = (0, 1)  # pusher xy
     has_success = True
     success_terminates = True
     success = "pose"  # "pose": the tolerances below; "coverage": coverage >= coverage_threshold

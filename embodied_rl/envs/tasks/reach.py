@@ -36,6 +36,7 @@ class ReachTask(Task):
     obs_dim = 8
     action_dim = 2
     camera = "top"
+    effector_obs = (0, 1)  # fingertip xy
     has_success = True
     success_criterion = "the fingertip is within 2 cm of the target in the x/y plane (ends the episode)"
     success_terminates = True
