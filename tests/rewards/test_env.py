@@ -1,0 +1,84 @@
+"""LearnedRewardEnv: the learner is paid the reward model's judgement of the frames, the learned
+success ends the episode, and the simulator's reward and success reach it nowhere but the logs."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import embodied_rl.envs as envs
+from embodied_rl.rewards import LearnedReward, RewardOutput
+
+
+class ScriptedJudge:
+    """A stand-in reward model whose verdict the test sets before each step."""
+
+    image_size = 16
+
+    def __init__(self, num_envs):
+        self.success_prob = torch.zeros(num_envs)
+        self.progress = torch.zeros(num_envs)
+        self.seen = None
+
+    def judge(self, frames, state, instruction=None):
+        self.seen = frames
+        return RewardOutput(self.success_prob.clone(), self.progress.clone())
+
+
+def learned_env(kind="success", keep_pixels=False, success_radius=0.02, gain=0.2, cap=0.25, num_envs=3):
+    judge = ScriptedJudge(num_envs)
+    learned = LearnedReward(Path("stub"), judge, kind, threshold=0.95, progress_gain=gain, progress_cap=cap)
+    options, task_options = learned.env_options({"obs_mode": "state"}, {"success_radius": success_radius})
+    env = envs.make("reach", num_envs=num_envs, seed=0, task_options=task_options, **options)
+    return learned.wrap(env, keep_pixels), judge
+
+
+def test_the_learned_success_is_the_reward_and_ends_the_episode():
+    env, judge = learned_env()
+    obs, _ = env.reset(seed=0)
+    assert isinstance(obs, torch.Tensor) and obs.shape == (3, 8)  # a state policy sees no frames
+    assert env.task.success_terminates and not env.env.task.success_terminates
+    judge.success_prob = torch.tensor([0.99, 0.5, 0.0])
+    obs, reward, terminated, truncated, info = env.step(torch.zeros(3, 2))
+    assert judge.seen.shape == (3, 16, 16, 3) and judge.seen.dtype == torch.uint8  # the reached frames
+    assert reward.tolist() == [1.0, 0.0, 0.0]
+    assert terminated.tolist() == [True, False, False] and not truncated.any()
+    assert info["_final"].tolist() == [True, False, False] and info["learned_success"].tolist() == [True, False, False]
+    assert info["episode"]["learned_success_once"][0] and info["episode"]["learned_return"][0] == 1.0
+    assert isinstance(info["final_obs"], torch.Tensor)
+    assert env.env.elapsed.tolist() == [0, 1, 1]  # env 0 started a new episode
+
+
+def test_the_simulators_success_ends_no_episode_and_pays_nothing():
+    env, judge = learned_env(success_radius=1.0)  # the simulator calls every state a success
+    env.reset(seed=0)
+    _, reward, terminated, _, info = env.step(torch.zeros(3, 2))
+    assert info["success"].all() and info["episode"]["success_once"].all()  # kept for the logs
+    assert not terminated.any() and not reward.any()
+
+
+def test_progress_pays_gain_times_progress_up_to_the_cap_per_episode():
+    env, judge = learned_env("success_progress", gain=0.2, cap=0.25)
+    env.reset(seed=0)
+    judge.progress = torch.full((3,), 0.5)
+    paid = [env.step(torch.zeros(3, 2))[1][0].item() for _ in range(4)]
+    assert paid == pytest.approx([0.1, 0.1, 0.05, 0.0])
+    judge.success_prob = torch.tensor([1.0, 0.0, 0.0])
+    _, reward, terminated, _, info = env.step(torch.zeros(3, 2))
+    assert reward[0].item() == pytest.approx(1.0) and terminated[0]
+    assert info["episode"]["learned_return"][0].item() == pytest.approx(1.25)
+    assert env.progress_paid[0] == 0 and env.progress_paid[1] == pytest.approx(0.25)  # a new episode starts afresh
+
+
+def test_a_pixel_policy_keeps_the_frames_and_a_snapshot_restores_the_sums():
+    env, judge = learned_env("success_progress", keep_pixels=True)
+    obs, _ = env.reset(seed=0)
+    assert set(obs) == {"state", "pixels"} and obs["pixels"].shape == (3, 16, 16, 3)
+    judge.progress = torch.full((3,), 0.4)
+    env.step(torch.zeros(3, 2))
+    snapshot = env.get_state()
+    after = [env.step(torch.full((3, 2), 0.1))[1] for _ in range(2)]
+    env.set_state(snapshot)
+    again = [env.step(torch.full((3, 2), 0.1))[1] for _ in range(2)]
+    for a, b in zip(after, again):
+        torch.testing.assert_close(a, b)

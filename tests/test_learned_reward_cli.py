@@ -1,0 +1,142 @@
+"""Learned rewards end to end through the CLI on reach: collect a checkpoint's rollouts, train a
+reward model on them, fine-tune with reward=model:PATH (residual TD3 and ReinFlow), the logs
+holding the learned and the true success; and the bad inputs, each one line, exit 2, no run_dir."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from embodied_rl.cli import main
+from embodied_rl.data import DemoDataset
+from embodied_rl.policies import make_policy, save_policy
+from tests.algos.test_dsrl import tiny_policy
+
+pytestmark = pytest.mark.e2e
+
+# a 5 cm target and 20-step episodes: the untrained tiny policy succeeds in some episodes, fails in others
+REACH = ["task=reach", "+task.success_radius=0.05", "task.max_episode_steps=20"]
+SMALL_MODEL = ["channels=[8,8,8]", "feature_dim=8", "hidden_dim=16", "batch_size=16", "steps=30", "log_every=10"]
+FINETUNE = {
+    "residual_offpolicy": ["algo.warmup_env_steps=40", "algo.critic_only_steps=40", "algo.actor_hidden_sizes=[16,16]",
+                           "algo.critic_hidden_sizes=[16,16]", "algo.ensemble=4", "algo.batch_size=32",
+                           "algo.utd_ratio=0.25"],
+    "reinflow": ["algo.num_steps=8", "algo.actor_kwargs.critic_hidden=16"],
+}
+
+
+@pytest.fixture(scope="module")
+def reward_run(tmp_path_factory):
+    """(BC checkpoint, rollout dataset, train-reward run directory)."""
+    root = tmp_path_factory.mktemp("learned")
+    checkpoint = save_policy(tiny_policy(task="reach"), root / "bc")
+    assert main(["collect", *REACH, f"checkpoint={checkpoint}", "pixels=true", "image_size=16", "demos=16",
+                 "num_envs=8", f"run_dir={root / 'collect'}"]) == 0
+    data = root / "collect" / "demos.zarr"
+    assert main(["train-reward", *REACH, f"data={data}", *SMALL_MODEL, f"run_dir={root / 'reward'}"]) == 0
+    return checkpoint, data, root / "reward"
+
+
+def test_collect_records_a_checkpoints_rollouts_with_the_true_success_per_step(reward_run):
+    checkpoint, data, _ = reward_run
+    dataset = DemoDataset.load(data)
+    assert dataset.num_episodes == 16 and 0 < dataset.episode_success.sum() < 16  # successes and failures
+    assert dataset.attrs["checkpoint"] == str(checkpoint) and "quality" not in dataset.attrs
+    assert dataset.step_success.shape == (dataset.num_steps,)
+    for e in range(dataset.num_episodes):  # an episode succeeded iff a step of it did
+        start, end = dataset.episode_bounds(e)
+        assert dataset.step_success[start:end].any() == dataset.episode_success[e]
+    assert dataset.final_pixels.shape == (16, 16, 16, 3) and dataset.final_obs.shape == (16, 8)
+    info = json.loads((data.parent / "collect_info.json").read_text())
+    assert 0 < info["policy_success_rate"] < 1
+
+
+def test_train_reward_writes_the_model_its_scores_and_a_plot(reward_run, capsys):
+    _, _, run_dir = reward_run
+    info = json.loads((run_dir / "reward_info.json").read_text())
+    assert info["kind"] == "cnn" and info["progress_labels"] == "milestones"  # reach names its end effector
+    held_out = info["held_out"]
+    for key in ("roc_auc", "precision_at_threshold", "recall_at_threshold", "episode_recall",
+                "episode_false_positive_rate", "voc", "progress_spearman"):
+        assert key in held_out
+    assert held_out["threshold"] == 0.95 and held_out["successful_episodes"] >= 1
+    assert (run_dir / "reward_model" / "config.json").is_file() and (run_dir / "reward_model" / "model.safetensors").is_file()
+    assert (run_dir / "plots" / "reward_model.png").is_file() and (run_dir / "done.json").is_file()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any("train/success_loss" in row for row in rows) and "val/roc_auc" in rows[-1]
+
+
+@pytest.mark.parametrize("algo", sorted(FINETUNE))
+@pytest.mark.parametrize("kind", ["success", "success_progress"])
+def test_finetune_learns_from_the_learned_reward_and_logs_both_successes(reward_run, tmp_path, capsys, algo, kind):
+    checkpoint, _, reward_dir = reward_run
+    run_dir = tmp_path / "ft"
+    code = main(["finetune", *REACH, f"algo={algo}", f"checkpoint={checkpoint}", f"reward=model:{reward_dir}",
+                 f"learned_reward.kind={kind}", "num_envs=4", "env_steps=240", "eval_every=120", "eval_episodes=4",
+                 "videos=0", "log_every=40", f"run_dir={run_dir}", *FINETUNE[algo]])
+    assert code == 0, capsys.readouterr().err
+    assert "success: " in capsys.readouterr().out  # evaluation scores the simulator's success
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [row for row in rows if "rollout/success_rate" in row]
+    assert logged and all("train/learned_success_rate" in row and "train/learned_return" in row for row in logged)
+    assert any("eval/success_rate" in row for row in rows)
+    assert (run_dir / "plots" / "learned_reward.png").is_file()
+    assert "Learned vs true success" in (run_dir / "report.md").read_text()
+
+
+def refused(tmp_path, capsys, args, message):
+    run_dir = tmp_path / "refused"
+    assert main([*args, f"run_dir={run_dir}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and err.count("\n") == 0, err
+    assert not run_dir.exists()
+
+
+def test_bad_learned_rewards_are_refused(reward_run, tmp_path, capsys):
+    checkpoint, _, reward_dir = reward_run
+    finetune = ["finetune", *REACH, "algo=residual_offpolicy", f"checkpoint={checkpoint}"]
+    refused(tmp_path, capsys, [*finetune, "reward=oracle"], "reward must be sim or model:PATH")
+    refused(tmp_path, capsys, [*finetune, f"reward=model:{reward_dir}", "learned_reward.kind=shaped"],
+            "learned_reward.kind must be one of success, success_progress, got 'shaped'")
+    refused(tmp_path, capsys, [*finetune, f"reward=model:{tmp_path / 'none'}"], "does not exist")
+    refused(tmp_path, capsys, [*finetune, f"reward=model:{reward_dir}", "algo.reward=success"],
+            "leave it at auto")
+    # a reward model for another task
+    other = tmp_path / "other_task"
+    shutil.copytree(reward_dir / "reward_model", other)
+    config = json.loads((other / "config.json").read_text())
+    config["config"]["task"] = "push_t"
+    (other / "config.json").write_text(json.dumps(config))
+    refused(tmp_path, capsys, [*finetune, f"reward=model:{other}"], "was trained on task 'push_t', not reach")
+    # a corrupt model file
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(reward_dir / "reward_model", corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"\x00" * 40)
+    refused(tmp_path, capsys, [*finetune, f"reward=model:{corrupt}"], "model.safetensors is corrupt or truncated")
+    # a policy that reads frames of another size than the reward model
+    torch.manual_seed(0)
+    pixel_policy = make_policy("flow", obs_dim=8, action_dim=2, n_obs_steps=1, horizon=4, n_action_steps=2,
+                               num_inference_steps=2, obs_mode="pixels", image_shape=[24, 24], task="reach",
+                               backbone_kwargs={"hidden_dim": 16, "num_blocks": 1})
+    pixels_checkpoint = save_policy(pixel_policy, tmp_path / "pixel_bc")
+    refused(tmp_path, capsys, ["finetune", *REACH, "algo=residual_offpolicy", f"checkpoint={pixels_checkpoint}",
+                               f"reward=model:{reward_dir}"], "reads 16x16 frames, the policy 24x24")
+
+
+def test_bad_reward_model_training_is_refused(reward_run, tmp_path, capsys):
+    checkpoint, data, _ = reward_run
+    train = ["train-reward", *REACH, f"data={data}"]
+    refused(tmp_path, capsys, ["train-reward", "task=reach"], "data=PATH is required")
+    refused(tmp_path, capsys, [*train, "kind=vit"], "kind must be auto or one of cnn, cnn_film, got 'vit'")
+    refused(tmp_path, capsys, [*train, "progress=oracle"], "progress must be auto or one of milestones, time, none")
+    refused(tmp_path, capsys, [*train, "threshold=1.5"], "threshold must be in (0, 1), got 1.5")
+    refused(tmp_path, capsys, ["train-reward", "task=push_t", f"data={data}"], "collected on task 'reach' but task=push_t")
+    refused(tmp_path, capsys, [*train, "kind=cnn_film"], "cnn_film conditions on instructions")
+    no_frames = tmp_path / "no_frames"
+    assert main(["collect", *REACH, f"checkpoint={checkpoint}", "demos=2", "num_envs=2",
+                 f"run_dir={no_frames}"]) == 0
+    capsys.readouterr()
+    refused(tmp_path, capsys, ["train-reward", *REACH, f"data={no_frames / 'demos.zarr'}"], "collect it with pixels=true")
+    refused(tmp_path, capsys, ["collect", *REACH, f"checkpoint={checkpoint}", "quality=0.5"],
+            "a checkpoint's rollouts have none")
