@@ -12,6 +12,7 @@ from embodied_rl.cli import main
 from embodied_rl.data import DemoDataset
 from embodied_rl.policies import make_policy, save_policy
 from tests.algos.test_dsrl import tiny_policy
+from tests.test_validation_cli import run_refused as refused
 
 pytestmark = pytest.mark.e2e
 
@@ -83,14 +84,6 @@ def test_finetune_learns_from_the_learned_reward_and_logs_both_successes(reward_
     assert any("eval/success_rate" in row for row in rows)
     assert (run_dir / "plots" / "learned_reward.png").is_file()
     assert "Learned vs true success" in (run_dir / "report.md").read_text()
-
-
-def refused(tmp_path, capsys, args, message):
-    run_dir = tmp_path / "refused"
-    assert main([*args, f"run_dir={run_dir}"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and err.count("\n") == 0, err
-    assert not run_dir.exists()
 
 
 def test_bad_learned_rewards_are_refused(reward_run, tmp_path, capsys):

@@ -68,18 +68,24 @@ def read_config(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"checkpoint '{path}' is not a directory")
+    return read_config_json(path, FORMAT, "policy", "checkpoint")
+
+
+def read_config_json(path: Path, expected_format: str, section: str, what: str) -> dict[str, Any]:
+    """`path`/config.json, refused in one line (naming `what`: "checkpoint", "reward model")
+    when it is missing, not JSON, of another format or without its `section` dict."""
     file = path / CONFIG
     if not file.is_file():
-        raise UserError(f"checkpoint '{path}' is incomplete: {CONFIG} is missing")
+        raise UserError(f"{what} '{path}' is incomplete: {CONFIG} is missing")
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise UserError(f"checkpoint '{path}': {CONFIG} is not valid JSON ({error})") from None
-    if not isinstance(config, dict) or config.get("format") != FORMAT:
+        raise UserError(f"{what} '{path}': {CONFIG} is not valid JSON ({error})") from None
+    if not isinstance(config, dict) or config.get("format") != expected_format:
         found = config.get("format") if isinstance(config, dict) else None
-        raise UserError(f"checkpoint '{path}': {CONFIG} has format {found!r}, expected {FORMAT!r}")
-    if not isinstance(config.get("policy"), dict):
-        raise UserError(f"checkpoint '{path}': {CONFIG} has no 'policy' section")
+        raise UserError(f"{what} '{path}': {CONFIG} has format {found!r}, expected {expected_format!r}")
+    if not isinstance(config.get(section), dict):
+        raise UserError(f"{what} '{path}': {CONFIG} has no '{section}' section")
     return config
 
 

@@ -185,19 +185,10 @@ def resolve_reward_model(path: str | Path) -> Path:
 
 def load_reward_model(path: str | Path, device: str | torch.device = "cpu") -> CNNRewardModel:
     """Rebuild a saved reward model (eval mode) from a checkpoint or a train-reward run directory."""
-    from embodied_rl.policies.checkpoint import check_tensors, load_tensors
+    from embodied_rl.policies.checkpoint import check_tensors, load_tensors, read_config_json
 
     path = resolve_reward_model(path)
-    file = path / CONFIG
-    if not file.is_file():
-        raise UserError(f"reward model '{path}' is incomplete or not a reward model: {CONFIG} is missing")
-    try:
-        saved = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise UserError(f"reward model '{path}': {CONFIG} is not valid JSON ({error})") from None
-    if not isinstance(saved, dict) or saved.get("format") != FORMAT or not isinstance(saved.get("config"), dict):
-        found = saved.get("format") if isinstance(saved, dict) else None
-        raise UserError(f"reward model '{path}': {CONFIG} has format {found!r}, expected {FORMAT!r}")
+    saved = read_config_json(path, FORMAT, "config", "reward model")
     kind = saved.get("kind")
     if kind not in REWARD_MODELS:
         raise UserError(f"reward model '{path}': unknown kind {kind!r} (known: {', '.join(REWARD_MODELS)})")
