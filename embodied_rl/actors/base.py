@@ -106,6 +106,12 @@ def gaussian_entropy(std: Tensor) -> Tensor:
     return 0.5 + 0.5 * torch.log(torch.tensor(2 * torch.pi)) + std.log()
 
 
+def gaussian_draw_terms(sample: Tensor, mean: Tensor, std: Tensor) -> tuple[Tensor, Tensor]:
+    """(logprob [N, 1], entropy [N, 1]) of one diagonal Gaussian draw [N, D], summed over its D
+    entries: the likelihood of an actor that draws its whole action at once (L = 1)."""
+    return gaussian_logprob(sample, mean, std).sum(-1, keepdim=True), gaussian_entropy(std).sum(-1, keepdim=True)
+
+
 class Actor(nn.Module):
     """Base class; see the module docstring for the contract."""
 
@@ -147,6 +153,15 @@ class Actor(nn.Module):
 
     def load_runtime_state(self, state: dict[str, Tensor]) -> None:
         """Restore what `runtime_state` returned."""
+
+    def hold_chunk_policy(self, policy: nn.Module) -> None:
+        """A chunk actor's base: `policy`, frozen, whose obs history and executed chunk steps
+        (indices n_obs_steps - 1 ... n_obs_steps - 1 + n_action_steps, as PolicyRunner executes
+        them) are this actor's."""
+        self.policy = policy.eval().requires_grad_(False)
+        self.n_obs_steps = policy.n_obs_steps
+        self.n_action_steps = policy.n_action_steps
+        self.executed = slice(policy.n_obs_steps - 1, policy.n_obs_steps - 1 + policy.n_action_steps)
 
     def for_eval(self, num_envs: int) -> Actor:
         """This actor for an eval env of `num_envs` copies (same weights, own per-env state)."""
@@ -252,9 +267,8 @@ class ChainActor(Actor):
     """Shared by the actors that make the policy's own denoising / integration chain stochastic
     (DPPO, Flow-Noise, Flow-SDE). Holds the frozen base policy and a trainable copy `ft` whose
     network (`ft.net`) RL updates; the obs encoder and normaliser stay frozen. The chain runs in
-    the normalised action space; only the executed part of the chunk (indices
-    n_obs_steps - 1 ... n_obs_steps - 1 + n_action_steps, as PolicyRunner executes it) enters
-    the likelihood and the env.
+    the normalised action space; only the executed part of the chunk (`executed`) enters the
+    likelihood and the env.
     """
 
     chunked = True
@@ -267,13 +281,10 @@ class ChainActor(Actor):
             raise ValueError(f"logprob_reduce must be one of {', '.join(LOGPROB_REDUCE)}, got {logprob_reduce!r}")
         self.logprob_reduce = logprob_reduce
 
-        self.policy = policy.eval().requires_grad_(False)
+        self.hold_chunk_policy(policy)
         self.ft = copy.deepcopy(self.policy)
         self.ft.net.requires_grad_(True)
-        self.n_obs_steps = policy.n_obs_steps
-        self.n_action_steps = policy.n_action_steps
         self.num_steps = policy.num_inference_steps
-        self.executed = slice(policy.n_obs_steps - 1, policy.n_obs_steps - 1 + policy.n_action_steps)
         if logprob_reduce == "none":  # one likelihood column per executed entry
             self.num_logprob_positions = policy.n_action_steps * policy.action_dim
         self.critic = Critic(policy, critic_hidden)

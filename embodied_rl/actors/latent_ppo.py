@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from embodied_rl.actors.base import Actor, ActorOutput, Critic, gaussian_entropy, gaussian_logprob
+from embodied_rl.actors.base import Actor, ActorOutput, Critic, gaussian_draw_terms
 from embodied_rl.actors.gaussian import GaussianHead
 from embodied_rl.policies.base import Obs
 
@@ -43,10 +43,7 @@ class LatentNoiseActor(Actor):
         super().__init__()
         self._config = dict(noise_bound=noise_bound, init_std=init_std, learn_std=learn_std,
                             hidden=hidden, layers=layers, critic_hidden=critic_hidden)
-        self.policy = policy.eval().requires_grad_(False)
-        self.n_obs_steps = policy.n_obs_steps
-        self.n_action_steps = policy.n_action_steps
-        self.executed = slice(policy.n_obs_steps - 1, policy.n_obs_steps - 1 + policy.n_action_steps)
+        self.hold_chunk_policy(policy)
         self.noise_bound = noise_bound
         noise_dim = policy.horizon * policy.action_dim
         self.head = GaussianHead(policy.cond_dim, noise_dim, hidden, layers,
@@ -69,9 +66,7 @@ class LatentNoiseActor(Actor):
 
     def evaluate(self, obs: Obs, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         mean, std = self._head(obs)
-        logprob = gaussian_logprob(stash["noise"], mean, std).sum(-1, keepdim=True)
-        entropy = gaussian_entropy(std).sum(-1, keepdim=True)
-        return logprob, entropy
+        return gaussian_draw_terms(stash["noise"], mean, std)
 
     def base_kl(self, obs: Obs, stash: dict[str, Tensor]) -> Tensor:
         """KL(N(mean, std) || N(0, I)): how far the noise policy is from the BC sampler's prior."""

@@ -24,8 +24,7 @@ from embodied_rl.actors.base import (
     Actor,
     ActorOutput,
     Critic,
-    gaussian_entropy,
-    gaussian_logprob,
+    gaussian_draw_terms,
     mlp,
 )
 from embodied_rl.actors.gaussian import GaussianHead
@@ -92,7 +91,29 @@ def queued_chunk_state(queue: Tensor, position: Tensor) -> Tensor:
     return torch.cat([ahead.flatten(1), torch.nn.functional.one_hot(position, horizon).float()], -1)
 
 
-class ResidualActor(Actor):
+class ResidualBase(Actor):
+    """What the per-step and the chunk residual share: the residual, a Gaussian draw around the
+    base action scaled by `action_scale` (`_head(obs, base) -> mean, std`), its likelihood summed
+    over its entries (L = 1), and its KL to the base."""
+
+    def _draw(self, obs: Obs, base: Tensor, deterministic: bool) -> tuple[Tensor, dict[str, Tensor]]:
+        """(the actions, the stash) of a residual drawn on `base`: the mean when deterministic."""
+        mean, std = self._head(obs, base)
+        residual = mean if deterministic else mean + std * torch.randn_like(mean)
+        actions = (base + self.action_scale * residual.view_as(base)).clamp(-1.0, 1.0)
+        return actions, {"base_action": base, "residual": residual}
+
+    def evaluate(self, obs: Obs, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        mean, std = self._head(obs, stash["base_action"])
+        return gaussian_draw_terms(stash["residual"], mean, std)
+
+    def base_kl(self, obs: Obs, stash: dict[str, Tensor]) -> Tensor:
+        """KL(N(mean, std) || N(0, std)): how far the residual mean pulls away from the base."""
+        mean, std = self._head(obs, stash["base_action"])
+        return 0.5 * ((mean / std) ** 2).sum(-1)
+
+
+class ResidualActor(ResidualBase):
     kind = "residual"
     chunked = False
 
@@ -171,11 +192,7 @@ class ResidualActor(Actor):
 
     @torch.no_grad()
     def act(self, obs: Obs, deterministic: bool = False) -> ActorOutput:
-        base_action = self.runner.act(obs).float()
-        mean, std = self._head(obs, base_action)
-        residual = mean if deterministic else mean + std * torch.randn_like(mean)
-        actions = (base_action + self.action_scale * residual).clamp(-1.0, 1.0)
-        stash = {"base_action": base_action, "residual": residual}
+        actions, stash = self._draw(obs, self.runner.act(obs).float(), deterministic)
         if self.chunk_critic:  # the base action just taken is queue[next_index - 1]
             stash["chunk_state"] = self._chunk_state(self.runner.next_index - 1, first_tensor(obs).device)
             value = self.critic.with_chunk(obs, stash["chunk_state"])
@@ -184,19 +201,8 @@ class ResidualActor(Actor):
         logprob, _ = self.evaluate(obs, stash)
         return ActorOutput(actions, logprob, value, stash)
 
-    def evaluate(self, obs: Obs, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        mean, std = self._head(obs, stash["base_action"])
-        logprob = gaussian_logprob(stash["residual"], mean, std).sum(-1, keepdim=True)
-        entropy = gaussian_entropy(std).sum(-1, keepdim=True)
-        return logprob, entropy
 
-    def base_kl(self, obs: Obs, stash: dict[str, Tensor]) -> Tensor:
-        """KL(N(mean, std) || N(0, std)): how far the residual mean pulls away from the base."""
-        mean, std = self._head(obs, stash["base_action"])
-        return 0.5 * ((mean / std) ** 2).sum(-1)
-
-
-class ResidualChunkActor(Actor):
+class ResidualChunkActor(ResidualBase):
     """The residual at the chunk level: one MDP step is one executed chunk (envs.step_chunk).
 
         base = policy.predict_chunk(obs history)[executed]           # [N, Ta, A], frozen, sampled
@@ -226,10 +232,7 @@ class ResidualChunkActor(Actor):
         super().__init__()
         self._config = dict(action_scale=action_scale, init_std=init_std, learn_std=learn_std,
                             hidden=hidden, layers=layers, critic_hidden=critic_hidden)
-        self.policy = policy.eval().requires_grad_(False)
-        self.n_obs_steps = policy.n_obs_steps
-        self.n_action_steps = policy.n_action_steps
-        self.executed = slice(policy.n_obs_steps - 1, policy.n_obs_steps - 1 + policy.n_action_steps)
+        self.hold_chunk_policy(policy)
         self.register_buffer("action_scale", residual_scale(action_scale, policy.action_dim), persistent=False)
         chunk = policy.n_action_steps * policy.action_dim
         self.head = GaussianHead(policy.cond_dim + chunk, chunk, hidden, layers,
@@ -241,20 +244,6 @@ class ResidualChunkActor(Actor):
 
     @torch.no_grad()
     def act(self, obs: Obs, deterministic: bool = False) -> ActorOutput:
-        base = self.policy.predict_chunk(obs)[:, self.executed].float()
-        mean, std = self._head(obs, base)
-        residual = mean if deterministic else mean + std * torch.randn_like(mean)
-        actions = (base + self.action_scale * residual.view_as(base)).clamp(-1.0, 1.0)
-        stash = {"base_action": base, "residual": residual}
+        actions, stash = self._draw(obs, self.policy.predict_chunk(obs)[:, self.executed].float(), deterministic)
         logprob, _ = self.evaluate(obs, stash)
         return ActorOutput(actions, logprob, self.get_value(self.latest_obs(obs)), stash)
-
-    def evaluate(self, obs: Obs, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        mean, std = self._head(obs, stash["base_action"])
-        logprob = gaussian_logprob(stash["residual"], mean, std).sum(-1, keepdim=True)
-        entropy = gaussian_entropy(std).sum(-1, keepdim=True)
-        return logprob, entropy
-
-    def base_kl(self, obs: Obs, stash: dict[str, Tensor]) -> Tensor:
-        mean, std = self._head(obs, stash["base_action"])
-        return 0.5 * ((mean / std) ** 2).sum(-1)

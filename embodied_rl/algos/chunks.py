@@ -8,6 +8,9 @@ counted), 0 where the episode terminated inside the chunk, and with the success 
 time limit (no bootstrap); a dense reward bootstraps a truncated chunk from a history of the final
 observation repeated (the steps before it belong to the finished episode's chunk). The demos'
 chunk transitions: offpolicy.demo_chunk_transitions.
+
+`ChunkOffPolicy` is both methods' data side and online loop: each keeps its learner, its actor
+and its offline phase.
 """
 
 from __future__ import annotations
@@ -19,8 +22,13 @@ import torch
 from torch import Tensor
 
 from embodied_rl.actors.base import HistoryEnv
-from embodied_rl.algos.common import RewardSettings, env_snapshot, training_reward
-from embodied_rl.algos.offpolicy import MixedBatches, Replay, UpdateBudget
+from embodied_rl.algos.common import (
+    FinetuneLoop,
+    RewardSettings,
+    env_snapshot,
+    training_reward,
+)
+from embodied_rl.algos.offpolicy import MixedBatches, OffPolicyConfig, Replay, UpdateBudget
 from embodied_rl.envs.api import step_chunk
 from embodied_rl.policies.runner import ObsHistory, executed_actions, map_obs
 
@@ -77,8 +85,8 @@ class ChunkOffPolicy:
     batches that mix the demos in (`batches`), the update budget and every generator they draw
     from; `state()` is the checkpoint's loop state and `start` continues from it."""
 
-    def __init__(self, env: Any, policy: Any, rewards: RewardSettings, algo: Any, demos: dict[str, Tensor] | None,
-                 seed: int, device: torch.device, act_generator: torch.Generator):
+    def __init__(self, env: Any, policy: Any, rewards: RewardSettings, algo: OffPolicyConfig,
+                 demos: dict[str, Tensor] | None, seed: int, device: torch.device, act_generator: torch.Generator):
         self.rollout = ChunkRollout(env, policy, rewards, algo.gamma, device)
         self.num_envs, self.chunk_steps = int(env.num_envs), int(policy.n_action_steps)
         shapes = {"cond": (policy.cond_dim,), "chunk": (self.chunk_steps, int(policy.action_dim)), "reward": (),
@@ -120,3 +128,21 @@ class ChunkOffPolicy:
         """One batch per gradient step the budget allows now."""
         while self.budget.take():
             yield self.batches.sample()
+
+    def train(self, loop: FinetuneLoop, act: Callable[[Tensor], Tensor],
+              update: Callable[[dict[str, Tensor]], dict[str, float]], stats: dict[str, float]) -> dict[str, Any]:
+        """The online phase, until the loop's env steps are done: a chunk in every env from `act`,
+        the gradient steps it earned (`update(batch) -> stats`; a non-finite loss stops the run),
+        the metrics row (`stats` until the first update) and the loop's boundary. Returns the
+        loop's result."""
+        while loop.env_steps < loop.total_env_steps:
+            info = self.collect(act)
+            loop.advance(self.num_envs * self.chunk_steps, info)  # the batch steps every chunk step (envs.step_chunk)
+            for batch in self.updates():
+                stats = update(batch)
+                for key in ("train/critic_loss", "train/actor_loss"):
+                    if key in stats:  # a critic-only step has no actor loss
+                        loop.check_finite(key, stats[key], stats)
+            loop.log(stats)
+            loop.boundary(self.state)
+        return loop.finish(self.state())

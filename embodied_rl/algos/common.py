@@ -18,6 +18,9 @@ The language RL loop (lm/rl.py) runs on the same helper: it counts its iteration
 (`FinetuneLoop(schedule, run, evaluation, counter="steps")`, `loop.step`, `loop.total`) and
 supplies its own evaluation (held-out pass@1) and checkpoint files (the model and tokenizer).
 
+- Config: `AlgoConfig`, the base of every algorithm's config dataclass (`from_cfg` refuses the
+  first of its `checks()` that fails); `freeze_and_seed` starts a method that trains beside its
+  frozen base policy.
 - Reward: `reward_settings(cfg)` parses `reward`, `algo.reward` and `algo.bootstrap_truncation`
   once; `training_reward` is what every algorithm trains on (the learned reward of reward=model:PATH
   included: the env is then a rewards.LearnedRewardEnv).
@@ -62,10 +65,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from safetensors import SafetensorError
 
 from embodied_rl import distributed
@@ -133,12 +137,37 @@ def reward_settings(cfg: Any) -> RewardSettings:
                           demo_sparse=success_reward)
 
 
-def check_values(config: Any, checks: list[tuple[str, bool, str]]) -> None:
-    """An algorithm config's checks, `(key, ok, expected)` each: the first that failed is one line,
-    `algo.<key> must be <expected>, got <value>`."""
-    for key, ok, expected in checks:
-        if not ok:
-            raise UserError(f"algo.{key} must be {expected}, got {getattr(config, key)!r}")
+Config = TypeVar("Config", bound="AlgoConfig")
+
+
+class AlgoConfig:
+    """Base of every algorithm's frozen config dataclass (configs/algo/<name>.yaml, the one home of
+    its defaults): `from_cfg(cfg.algo)` makes one and refuses the first of its `checks()` that
+    fails, in one line: `algo.<key> must be <expected>, got <value>`."""
+
+    @classmethod
+    def from_cfg(cls: type[Config], algo: Any) -> Config:
+        return cls(**OmegaConf.to_container(algo, resolve=True)).checked()
+
+    def checked(self: Config) -> Config:
+        for key, ok, expected in self.checks():
+            if not ok:
+                raise UserError(f"algo.{key} must be {expected}, got {getattr(self, key)!r}")
+        return self
+
+    def checks(self) -> list[tuple[str, bool, str]]:
+        """`(key, ok, expected)` for each key with a range."""
+        return []
+
+
+def freeze_and_seed(cfg: Any, policy: Any) -> tuple[int, torch.device]:
+    """How a method that trains beside its frozen base policy starts: the policy in eval mode
+    without gradients, torch's global generator seeded with cfg.seed. Returns (seed, device)."""
+    seed = int(cfg.seed)
+    torch.manual_seed(seed)
+    policy.eval()
+    policy.requires_grad_(False)
+    return seed, torch.device(str(cfg.device))
 
 
 def training_reward(reward: torch.Tensor, info: dict[str, Any], sparse: bool) -> torch.Tensor:

@@ -43,9 +43,9 @@ from embodied_rl.actors.latent_noise import (
     make_noise_critic,
 )
 from embodied_rl.algos.common import (
+    AlgoConfig,
     EnvEvaluation,
     FinetuneLoop,
-    check_values,
     env_snapshot,
     reward_settings,
 )
@@ -260,7 +260,7 @@ class DSRL(SAC):
 
 
 @dataclass(frozen=True)
-class DSRLConfig:
+class DSRLConfig(AlgoConfig):
     """configs/algo/dsrl.yaml (dsrl_na.yaml extends it and adds `action_critics`)."""
 
     name: str
@@ -284,27 +284,27 @@ class DSRLConfig:
     def from_cfg(cls, algo: Any) -> DSRLConfig:
         values = OmegaConf.to_container(algo, resolve=True)
         values.setdefault("action_critics", None)  # the key exists in dsrl_na.yaml only
-        config = cls(**values)
-        ent_coef = str(config.ent_coef)
-        checks = [
-            ("noise_bound", config.noise_bound > 0, "> 0"),
-            ("hidden_sizes", all(h >= 1 for h in config.hidden_sizes), "a list of sizes >= 1"),
-            ("n_critics", config.n_critics >= 1, ">= 1"),
-            ("lr", config.lr > 0, "> 0"),
-            ("buffer_size", config.buffer_size >= 1, ">= 1"),
-            ("batch_size", config.batch_size >= 1, ">= 1"),
-            ("gamma", 0.0 <= config.gamma <= 1.0, "in [0, 1]"),
-            ("tau", 0.0 < config.tau <= 1.0, "in (0, 1]"),
-            ("utd_ratio", config.utd_ratio > 0, "> 0"),
+        return cls(**values).checked()
+
+    def checks(self) -> list[tuple[str, bool, str]]:
+        ent_coef = str(self.ent_coef)
+        return [
+            ("noise_bound", self.noise_bound > 0, "> 0"),
+            ("hidden_sizes", all(h >= 1 for h in self.hidden_sizes), "a list of sizes >= 1"),
+            ("n_critics", self.n_critics >= 1, ">= 1"),
+            ("lr", self.lr > 0, "> 0"),
+            ("buffer_size", self.buffer_size >= 1, ">= 1"),
+            ("batch_size", self.batch_size >= 1, ">= 1"),
+            ("gamma", 0.0 <= self.gamma <= 1.0, "in [0, 1]"),
+            ("tau", 0.0 < self.tau <= 1.0, "in (0, 1]"),
+            ("utd_ratio", self.utd_ratio > 0, "> 0"),
             ("ent_coef", ent_coef == "auto" or _is_number(ent_coef.removeprefix("auto_")),
              "auto, auto_<number> or a number"),
-            ("target_entropy", config.target_entropy == "auto" or _is_number(config.target_entropy), "auto or a number"),
-            ("warmup_env_steps", config.warmup_env_steps >= 0, ">= 0"),
-            ("critic_only_steps", config.critic_only_steps >= 0, ">= 0"),
-            ("action_critics", config.action_critics is None or config.action_critics >= 1, ">= 1"),
+            ("target_entropy", self.target_entropy == "auto" or _is_number(self.target_entropy), "auto or a number"),
+            ("warmup_env_steps", self.warmup_env_steps >= 0, ">= 0"),
+            ("critic_only_steps", self.critic_only_steps >= 0, ">= 0"),
+            ("action_critics", self.action_critics is None or self.action_critics >= 1, ">= 1"),
         ]
-        check_values(config, checks)
-        return config
 
 
 def _is_number(value: Any) -> bool:

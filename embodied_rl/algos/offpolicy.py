@@ -1,8 +1,11 @@
 """What every off-policy method shares (residual TD3/SAC and RLPD, QC-FQL, SAC Flow; RECAP reads
 the demos the same way): each algorithm file keeps only what differs, and imports this.
 
+- `OffPolicyConfig`: the config keys they all have.
 - `QEnsemble`: E LayerNorm critics Q(x_1, ..., x_k) -> [E, B] over any inputs (flattened and
-  concatenated), and `random_pair_min`, REDQ's TD target over two of them.
+  concatenated), and `random_pair_min`, REDQ's TD target over two of them; `critic_and_target`
+  makes an ensemble and its target network, `critic_step` regresses it on a TD target, and
+  `actor_q` is what an actor loss reads of it.
 - `Replay`: a circular buffer of transitions (a dict of named tensors) whose storage grows as it
   fills, so a short run does not hold `capacity` rows of memory.
 - Demonstrations: `find_demo_path` (algo.data, else the dataset the BC checkpoint recorded),
@@ -19,6 +22,7 @@ The n-step returns (residual) and the chunk MDP (algos/chunks.py) stay with thei
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +30,47 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from embodied_rl import distributed
 from embodied_rl.actors.base import layer_norm_mlp
+from embodied_rl.algos.common import AlgoConfig
 from embodied_rl.errors import UserError
 from embodied_rl.policies.base import Obs
 from embodied_rl.policies.runner import index_obs, map_obs
+
+# --------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OffPolicyConfig(AlgoConfig):
+    """The keys every off-policy method here has (residual TD3/SAC and RLPD, QC-FQL, SAC Flow):
+    the critic ensemble's, the replay's and the batches'. Each method adds its own, and the
+    ranges that differ between them (ensemble, batch_size, demo_fraction)."""
+
+    name: str
+    reward: str
+    data: str | None  # the demo dataset (None: the one the BC checkpoint recorded)
+    ensemble: int
+    gamma: float
+    tau: float
+    actor_lr: float
+    critic_lr: float
+    batch_size: int
+    buffer_size: int
+    utd_ratio: float
+    demo_fraction: float
+
+    def checks(self) -> list[tuple[str, bool, str]]:
+        return [
+            ("gamma", 0.0 <= self.gamma <= 1.0, "in [0, 1]"),
+            ("tau", 0.0 < self.tau <= 1.0, "in (0, 1]"),
+            ("actor_lr", self.actor_lr > 0, "> 0"),
+            ("critic_lr", self.critic_lr > 0, "> 0"),
+            ("buffer_size", self.buffer_size >= 1, ">= 1"),
+            ("utd_ratio", self.utd_ratio > 0, "> 0"),
+        ]
+
 
 # --------------------------------------------------------------------------------------------
 # Critics
@@ -46,6 +87,39 @@ class QEnsemble(nn.Module):
     def forward(self, *inputs: Tensor) -> Tensor:
         x = torch.cat([part.flatten(1) for part in inputs], dim=-1)
         return torch.stack([q(x).squeeze(-1) for q in self.critics])
+
+
+def critic_and_target(input_dim: int, hidden_sizes: list[int], ensemble: int,
+                      device: torch.device) -> tuple[QEnsemble, QEnsemble]:
+    """A QEnsemble and its target network: a copy without gradients that `polyak` moves."""
+    critic = QEnsemble(input_dim, hidden_sizes, ensemble).to(device)
+    target = QEnsemble(input_dim, hidden_sizes, ensemble).to(device)
+    target.load_state_dict(critic.state_dict())
+    target.requires_grad_(False)
+    return critic, target
+
+
+def critic_step(critic: QEnsemble, optimizer: torch.optim.Optimizer, target: Tensor,
+                *inputs: Tensor) -> tuple[Tensor, Tensor]:
+    """One gradient step of every critic toward the TD target [B]: the squared error, averaged
+    over the batch and summed over the ensemble (gradients averaged across ranks under torchrun).
+    Returns (the loss, Q [E, B])."""
+    q = critic(*inputs)
+    loss = ((q - target[None]) ** 2).mean(1).sum()
+    optimizer.zero_grad()
+    loss.backward()
+    distributed.average_gradients(critic.parameters())
+    optimizer.step()
+    return loss, q
+
+
+def actor_q(critic: QEnsemble, *inputs: Tensor) -> Tensor:
+    """The ensemble's mean Q [B] for an actor loss: the gradient reaches the actions (dQ/da), not
+    the critics' weights."""
+    critic.requires_grad_(False)
+    q = critic(*inputs).mean(0)
+    critic.requires_grad_(True)
+    return q
 
 
 def random_pair_min(q_values: Tensor, generator: torch.Generator | None = None) -> Tensor:

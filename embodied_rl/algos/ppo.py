@@ -36,15 +36,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
 from embodied_rl import core, distributed
 from embodied_rl.actors import make_actor
 from embodied_rl.actors.base import ActorAgent, HistoryEnv, ObsHistory
 from embodied_rl.algos.common import (
+    AlgoConfig,
     EnvEvaluation,
     FinetuneLoop,
-    check_values,
     env_snapshot,
     reward_settings,
     training_reward,
@@ -88,7 +87,7 @@ class PotentialShaping:
 
 
 @dataclass(frozen=True)
-class PPOConfig:
+class PPOConfig(AlgoConfig):
     """configs/algo/<preset>.yaml for the PPO family (every preset extends configs/algo/_ppo.yaml,
     which holds the defaults). `actor` and `actor_kwargs` construct the Actor
     (embodied_rl.actors.make_actor); with group_size > 1 the run is GRPO and the critic keys
@@ -121,16 +120,9 @@ class PPOConfig:
     max_grad_norm: float
     group_size: int
 
-    @classmethod
-    def from_cfg(cls, algo: Any) -> PPOConfig:
-        values = OmegaConf.to_container(algo, resolve=True)
-        config = cls(**values)
-        config.validate()
-        return config
-
-    def validate(self) -> None:
+    def checks(self) -> list[tuple[str, bool, str]]:
         grpo = self.group_size > 1
-        checks = [
+        return [
             ("num_steps", self.num_steps >= 1 or grpo, ">= 1"),
             ("gamma", 0.0 <= self.gamma <= 1.0, "in [0, 1]"),
             ("gae_lambda", 0.0 <= self.gae_lambda <= 1.0, "in [0, 1]"),
@@ -151,7 +143,6 @@ class PPOConfig:
             ("max_grad_norm", self.max_grad_norm > 0, "> 0"),
             ("group_size", self.group_size == 0 or self.group_size >= 2, "0 (PPO) or >= 2 (GRPO)"),
         ]
-        check_values(self, checks)
 
 
 def validate_config(cfg: Any) -> None:

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 from torch import Tensor
 
 from embodied_rl.actors import save_agent
@@ -42,9 +41,12 @@ from embodied_rl.actors.qc_fql import (
     one_step_config,
 )
 from embodied_rl.algos.chunks import ChunkOffPolicy
-from embodied_rl.algos.common import EnvEvaluation, FinetuneLoop, check_values, reward_settings
+from embodied_rl.algos.common import EnvEvaluation, FinetuneLoop, freeze_and_seed, reward_settings
 from embodied_rl.algos.offpolicy import (
-    QEnsemble,
+    OffPolicyConfig,
+    actor_q,
+    critic_and_target,
+    critic_step,
     demo_chunk_transitions,
     load_demos,
     normalised_q,
@@ -56,46 +58,25 @@ from embodied_rl.policies.runner import executed_actions
 
 
 @dataclass(frozen=True)
-class QCFQLConfig:
+class QCFQLConfig(OffPolicyConfig):
     """configs/algo/qc_fql.yaml (the one home of its defaults)."""
 
-    name: str
     one_step: str
     hidden_sizes: list[int]
-    ensemble: int
-    gamma: float
-    tau: float
-    actor_lr: float
-    critic_lr: float
     alpha: float
-    batch_size: int
-    buffer_size: int
-    utd_ratio: float
-    demo_fraction: float
     offline_updates: int
-    reward: str
     bootstrap_truncation: Any
-    data: str | None
 
-    @classmethod
-    def from_cfg(cls, algo: Any) -> QCFQLConfig:
-        config = cls(**OmegaConf.to_container(algo, resolve=True))
-        checks = [
-            ("one_step", config.one_step in ONE_STEP_FORMS, f"one of {', '.join(ONE_STEP_FORMS)}"),
-            ("ensemble", config.ensemble >= 1, ">= 1"),
-            ("gamma", 0.0 <= config.gamma <= 1.0, "in [0, 1]"),
-            ("tau", 0.0 < config.tau <= 1.0, "in (0, 1]"),
-            ("actor_lr", config.actor_lr > 0, "> 0"),
-            ("critic_lr", config.critic_lr > 0, "> 0"),
-            ("alpha", config.alpha >= 0, ">= 0"),
-            ("batch_size", config.batch_size >= 2, ">= 2"),
-            ("buffer_size", config.buffer_size >= 1, ">= 1"),
-            ("utd_ratio", config.utd_ratio > 0, "> 0"),
-            ("demo_fraction", 0.0 <= config.demo_fraction <= 1.0, "in [0, 1]"),
-            ("offline_updates", config.offline_updates >= 0, ">= 0"),
+    def checks(self) -> list[tuple[str, bool, str]]:
+        return [
+            ("one_step", self.one_step in ONE_STEP_FORMS, f"one of {', '.join(ONE_STEP_FORMS)}"),
+            ("ensemble", self.ensemble >= 1, ">= 1"),
+            *super().checks(),
+            ("alpha", self.alpha >= 0, ">= 0"),
+            ("batch_size", self.batch_size >= 2, ">= 2"),
+            ("demo_fraction", 0.0 <= self.demo_fraction <= 1.0, "in [0, 1]"),
+            ("offline_updates", self.offline_updates >= 0, ">= 0"),
         ]
-        check_values(config, checks)
-        return config
 
 
 def validate_config(cfg: Any) -> None:
@@ -117,10 +98,7 @@ class QCFQL:
         self.config = one_step_config(policy, algo.one_step, algo.hidden_sizes)
         self.actor = make_one_step(policy, self.config).to(device)
         critic_input = policy.cond_dim + int(policy.n_action_steps) * int(policy.action_dim)  # Q(cond, chunk)
-        self.critic = QEnsemble(critic_input, algo.hidden_sizes, algo.ensemble).to(device)
-        self.critic_target = QEnsemble(critic_input, algo.hidden_sizes, algo.ensemble).to(device)
-        self.critic_target.load_state_dict(self.critic.state_dict())
-        self.critic_target.requires_grad_(False)
+        self.critic, self.critic_target = critic_and_target(critic_input, algo.hidden_sizes, algo.ensemble, device)
         trainable = [p for p in self.actor.parameters() if p.requires_grad]
         self.actor_optimizer = torch.optim.Adam(trainable, lr=algo.actor_lr)
         self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=algo.critic_lr)
@@ -143,21 +121,14 @@ class QCFQL:
             next_chunk = self.executed(self.actor(batch["next_cond"], self.noise(n)))
             next_q = random_pair_min(self.critic_target(batch["next_cond"], next_chunk), self.generator)
             target = batch["reward"] + batch["discount"] * next_q
-        q = self.critic(batch["cond"], batch["chunk"])
-        critic_loss = ((q - target[None]) ** 2).mean(1).sum()
-        self.critic_optimizer.zero_grad()
-        critic_loss.backward()
-        self.critic_optimizer.step()
+        critic_loss, q = critic_step(self.critic, self.critic_optimizer, target, batch["cond"], batch["chunk"])
 
         z = self.noise(n)
         with torch.no_grad():  # the frozen flow policy's chunk from the same noise
             flow_chunk = policy.sample(batch["cond"], z).clamp(-1, 1)
         chunk = self.actor(batch["cond"], z)
         distill = (chunk - flow_chunk).pow(2).mean()  # over every chunk element, as FQL
-        self.critic.requires_grad_(False)  # the actor loss needs dQ/da only
-        q_pi = self.critic(batch["cond"], self.executed(chunk)).mean(0)
-        self.critic.requires_grad_(True)
-        q_loss = -normalised_q(q_pi).mean()
+        q_loss = -normalised_q(actor_q(self.critic, batch["cond"], self.executed(chunk))).mean()
         actor_loss = q_loss + algo.alpha * distill
         self.actor_optimizer.zero_grad()
         actor_loss.backward()
@@ -186,11 +157,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     algo = QCFQLConfig.from_cfg(cfg.algo)
     if not policy.is_flow:
         raise UserError(f"algo=qc_fql distils a flow policy (policy=flow or vla); this checkpoint holds a {type(policy).__name__}")
-    seed = int(cfg.seed)
-    torch.manual_seed(seed)
-    device = torch.device(str(cfg.device))
-    policy.eval()
-    policy.requires_grad_(False)
+    seed, device = freeze_and_seed(cfg, policy)
     rewards = reward_settings(cfg)
     learner = QCFQL(algo, policy, device, seed)
     num_envs = int(env.num_envs)
@@ -229,13 +196,4 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         return learner.actor(cond, policy.initial_noise(num_envs, act_generator)).clamp(-1.0, 1.0)
 
     loop.start(f"finetune {algo.name}")
-    while loop.env_steps < loop.total_env_steps:
-        info = data.collect(act)
-        loop.advance(num_envs * data.chunk_steps, info)  # the batch steps every chunk step (envs.step_chunk)
-        for batch in data.updates():
-            stats = learner.update(batch)
-            for key in ("train/critic_loss", "train/actor_loss"):
-                loop.check_finite(key, stats[key], stats)
-        loop.log(stats)
-        loop.boundary(data.state)
-    return loop.finish(data.state())
+    return data.train(loop, act, learner.update, stats)

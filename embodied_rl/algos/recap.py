@@ -40,16 +40,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 from torch import Tensor
 
 from embodied_rl.actors import save_agent
 from embodied_rl.actors.base import Critic
 from embodied_rl.actors.recap import AGENT_KIND, IndicatorEmbedding, RecapAgent
 from embodied_rl.algos.common import (
+    AlgoConfig,
     EnvEvaluation,
     FinetuneLoop,
-    check_values,
     env_snapshot,
     reward_settings,
     training_reward,
@@ -60,7 +59,7 @@ from embodied_rl.policies.runner import index_obs, map_obs
 
 
 @dataclass(frozen=True)
-class RecapConfig:
+class RecapConfig(AlgoConfig):
     """configs/algo/recap.yaml (the one home of its defaults)."""
 
     name: str
@@ -85,30 +84,26 @@ class RecapConfig:
     value_hidden: int
     data: str | None
 
-    @classmethod
-    def from_cfg(cls, algo: Any) -> RecapConfig:
-        config = cls(**OmegaConf.to_container(algo, resolve=True))
-        checks = [
-            ("rollout_steps", config.rollout_steps >= 1, ">= 1"),
-            ("gamma", 0.0 <= config.gamma <= 1.0, "in [0, 1]"),
-            ("advantage_steps", config.advantage_steps >= 0, ">= 0 (0 = Monte-Carlo)"),
-            ("positive_fraction", 0.0 < config.positive_fraction < 1.0, "in (0, 1)"),
-            ("demo_fraction", 0.0 <= config.demo_fraction <= 1.0, "in [0, 1]"),
-            ("negative_weight", 0.0 <= config.negative_weight <= 1.0, "in [0, 1]"),
-            ("keep_iterations", config.keep_iterations >= 1, ">= 1"),
-            ("condition_dropout", 0.0 <= config.condition_dropout < 1.0, "in [0, 1)"),
-            ("guidance", config.guidance >= 0.0, ">= 0"),
-            ("policy_updates", config.policy_updates >= 1, ">= 1"),
-            ("batch_size", config.batch_size >= 2, ">= 2"),
-            ("lr", config.lr > 0, "> 0"),
-            ("indicator_lr", config.indicator_lr > 0, "> 0"),
-            ("grad_clip", config.grad_clip > 0, "> 0"),
-            ("value_updates", config.value_updates >= 1, ">= 1"),
-            ("value_lr", config.value_lr > 0, "> 0"),
-            ("value_hidden", config.value_hidden >= 1, ">= 1"),
+    def checks(self) -> list[tuple[str, bool, str]]:
+        return [
+            ("rollout_steps", self.rollout_steps >= 1, ">= 1"),
+            ("gamma", 0.0 <= self.gamma <= 1.0, "in [0, 1]"),
+            ("advantage_steps", self.advantage_steps >= 0, ">= 0 (0 = Monte-Carlo)"),
+            ("positive_fraction", 0.0 < self.positive_fraction < 1.0, "in (0, 1)"),
+            ("demo_fraction", 0.0 <= self.demo_fraction <= 1.0, "in [0, 1]"),
+            ("negative_weight", 0.0 <= self.negative_weight <= 1.0, "in [0, 1]"),
+            ("keep_iterations", self.keep_iterations >= 1, ">= 1"),
+            ("condition_dropout", 0.0 <= self.condition_dropout < 1.0, "in [0, 1)"),
+            ("guidance", self.guidance >= 0.0, ">= 0"),
+            ("policy_updates", self.policy_updates >= 1, ">= 1"),
+            ("batch_size", self.batch_size >= 2, ">= 2"),
+            ("lr", self.lr > 0, "> 0"),
+            ("indicator_lr", self.indicator_lr > 0, "> 0"),
+            ("grad_clip", self.grad_clip > 0, "> 0"),
+            ("value_updates", self.value_updates >= 1, ">= 1"),
+            ("value_lr", self.value_lr > 0, "> 0"),
+            ("value_hidden", self.value_hidden >= 1, ">= 1"),
         ]
-        check_values(config, checks)
-        return config
 
 
 def validate_config(cfg: Any) -> None:

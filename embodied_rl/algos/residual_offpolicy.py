@@ -37,7 +37,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 from torch import Tensor
 
 from embodied_rl import distributed
@@ -52,17 +51,20 @@ from embodied_rl.actors.residual_offpolicy import (
 from embodied_rl.algos.common import (
     EnvEvaluation,
     FinetuneLoop,
-    check_values,
     env_snapshot,
+    freeze_and_seed,
     reward_settings,
     training_reward,
 )
 from embodied_rl.algos.interventions import TRIGGERS, ExpertTakeover, InterventionSchedule
 from embodied_rl.algos.offpolicy import (
     MixedBatches,
-    QEnsemble,
+    OffPolicyConfig,
     Replay,
     UpdateBudget,
+    actor_q,
+    critic_and_target,
+    critic_step,
     demo_transitions,
     find_demo_path,
     load_demos,
@@ -108,34 +110,22 @@ def nstep_returns(rewards: Tensor, terminated: Tensor, truncated: Tensor, gamma:
 
 
 @dataclass(frozen=True)
-class ResidualOffPolicyConfig:
+class ResidualOffPolicyConfig(OffPolicyConfig):
     """configs/algo/residual_offpolicy.yaml (the one home of its defaults; algo=residual_sac is
     the same file under its former name)."""
 
-    name: str
     learner: str               # td3 | sac
     residual_scale: float
     residual_penalty: float
     normalize_obs: bool
     actor_hidden_sizes: list[int]
     critic_hidden_sizes: list[int]
-    ensemble: int
     n_step: int
-    gamma: float
-    tau: float
-    actor_lr: float
-    critic_lr: float
-    batch_size: int
-    buffer_size: int
-    utd_ratio: float
-    demo_fraction: float
-    data: str | None
     init_alpha: float
     target_entropy: Any        # "auto" or a number
     exploration_noise: float
     target_noise: float
     policy_delay: int
-    reward: str
     warmup_env_steps: int
     critic_only_steps: int
     interventions: str         # none | expert
@@ -144,41 +134,32 @@ class ResidualOffPolicyConfig:
     intervention_prob: float
     intervention_steps: int
 
-    @classmethod
-    def from_cfg(cls, algo: Any) -> ResidualOffPolicyConfig:
-        config = cls(**OmegaConf.to_container(algo, resolve=True))
-        checks = [
-            ("learner", config.learner in ("td3", "sac"), "td3 or sac"),
-            ("residual_scale", config.residual_scale > 0, "> 0"),
-            ("residual_penalty", config.residual_penalty >= 0, ">= 0"),
-            ("actor_hidden_sizes", all(h >= 1 for h in config.actor_hidden_sizes), "a list of sizes >= 1"),
-            ("critic_hidden_sizes", all(h >= 1 for h in config.critic_hidden_sizes), "a list of sizes >= 1"),
-            ("ensemble", config.ensemble >= 2, ">= 2"),
-            ("n_step", config.n_step >= 1, ">= 1"),
-            ("gamma", 0.0 <= config.gamma <= 1.0, "in [0, 1]"),
-            ("tau", 0.0 < config.tau <= 1.0, "in (0, 1]"),
-            ("actor_lr", config.actor_lr > 0, "> 0"),
-            ("critic_lr", config.critic_lr > 0, "> 0"),
-            ("batch_size", config.batch_size >= 1, ">= 1"),
-            ("buffer_size", config.buffer_size >= 1, ">= 1"),
-            ("utd_ratio", config.utd_ratio > 0, "> 0"),
-            ("demo_fraction", 0.0 <= config.demo_fraction < 1.0, "in [0, 1)"),
-            ("init_alpha", config.init_alpha > 0, "> 0"),
-            ("target_entropy", config.target_entropy == "auto" or isinstance(config.target_entropy, (int, float)),
+    def checks(self) -> list[tuple[str, bool, str]]:
+        return [
+            ("learner", self.learner in ("td3", "sac"), "td3 or sac"),
+            ("residual_scale", self.residual_scale > 0, "> 0"),
+            ("residual_penalty", self.residual_penalty >= 0, ">= 0"),
+            ("actor_hidden_sizes", all(h >= 1 for h in self.actor_hidden_sizes), "a list of sizes >= 1"),
+            ("critic_hidden_sizes", all(h >= 1 for h in self.critic_hidden_sizes), "a list of sizes >= 1"),
+            ("ensemble", self.ensemble >= 2, ">= 2"),
+            ("n_step", self.n_step >= 1, ">= 1"),
+            *super().checks(),
+            ("batch_size", self.batch_size >= 1, ">= 1"),
+            ("demo_fraction", 0.0 <= self.demo_fraction < 1.0, "in [0, 1)"),
+            ("init_alpha", self.init_alpha > 0, "> 0"),
+            ("target_entropy", self.target_entropy == "auto" or isinstance(self.target_entropy, (int, float)),
              "auto or a number"),
-            ("exploration_noise", config.exploration_noise >= 0, ">= 0"),
-            ("target_noise", config.target_noise >= 0, ">= 0"),
-            ("policy_delay", config.policy_delay >= 1, ">= 1"),
-            ("warmup_env_steps", config.warmup_env_steps >= 0, ">= 0"),
-            ("critic_only_steps", config.critic_only_steps >= 0, ">= 0"),
-            ("interventions", config.interventions in ("none", "expert"), "none or expert"),
-            ("intervention_trigger", config.intervention_trigger in TRIGGERS, " or ".join(TRIGGERS)),
-            ("stall_steps", config.stall_steps >= 1, ">= 1"),
-            ("intervention_prob", 0.0 <= config.intervention_prob <= 1.0, "in [0, 1]"),
-            ("intervention_steps", config.intervention_steps >= 1, ">= 1"),
+            ("exploration_noise", self.exploration_noise >= 0, ">= 0"),
+            ("target_noise", self.target_noise >= 0, ">= 0"),
+            ("policy_delay", self.policy_delay >= 1, ">= 1"),
+            ("warmup_env_steps", self.warmup_env_steps >= 0, ">= 0"),
+            ("critic_only_steps", self.critic_only_steps >= 0, ">= 0"),
+            ("interventions", self.interventions in ("none", "expert"), "none or expert"),
+            ("intervention_trigger", self.intervention_trigger in TRIGGERS, " or ".join(TRIGGERS)),
+            ("stall_steps", self.stall_steps >= 1, ">= 1"),
+            ("intervention_prob", 0.0 <= self.intervention_prob <= 1.0, "in [0, 1]"),
+            ("intervention_steps", self.intervention_steps >= 1, ">= 1"),
         ]
-        check_values(config, checks)
-        return config
 
 
 def validate_config(cfg: Any) -> None:
@@ -210,10 +191,8 @@ class ResidualOffPolicyLearner:
         self.actor_target = make_residual_net(self.config).to(device).requires_grad_(False)
         self.actor_target.load_state_dict(self.actor.state_dict())
         critic_input = obs_dim + 2 * action_dim  # Q(s, b, a)
-        self.critic = QEnsemble(critic_input, algo.critic_hidden_sizes, algo.ensemble).to(device)
-        self.critic_target = QEnsemble(critic_input, algo.critic_hidden_sizes, algo.ensemble).to(device)
-        self.critic_target.load_state_dict(self.critic.state_dict())
-        self.critic_target.requires_grad_(False)
+        self.critic, self.critic_target = critic_and_target(critic_input, algo.critic_hidden_sizes, algo.ensemble,
+                                                            device)
         # foreach: one kernel per step for all parameters (the per-tensor CPU default was ~12% of an update)
         self.actor_optimizer = torch.optim.Adam(self.actor.parameters(), lr=float(algo.actor_lr), foreach=True)
         self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=float(algo.critic_lr), foreach=True)
@@ -250,12 +229,8 @@ class ResidualOffPolicyLearner:
             next_action, next_log_prob = self._next_action(batch["next_obs"], batch["next_base"])
             next_q = random_pair_min(self.critic_target(batch["next_obs"], batch["next_base"], next_action), self.generator)
             target = batch["reward"] + batch["discount"] * (next_q - alpha * next_log_prob)
-        q = self.critic(batch["obs"], batch["base"], batch["action"])
-        critic_loss = ((q - target[None]) ** 2).mean(1).sum()
-        self.critic_optimizer.zero_grad()
-        critic_loss.backward()
-        distributed.average_gradients(self.critic.parameters())
-        self.critic_optimizer.step()
+        critic_loss, q = critic_step(self.critic, self.critic_optimizer, target, batch["obs"], batch["base"],
+                                     batch["action"])
         stats = {"train/critic_loss": critic_loss.item(), "train/q": q.mean().item()}
 
         self.updates += 1
@@ -265,9 +240,7 @@ class ResidualOffPolicyLearner:
             if self.algo.learner == "td3":
                 residual = self.actor(batch["obs"], batch["base"])
             action = (batch["base"] + residual).clamp(-1, 1)
-            self.critic.requires_grad_(False)  # the actor loss needs dQ/da only, not critic weight grads
-            q_pi = self.critic(batch["obs"], batch["base"], action).mean(0)
-            self.critic.requires_grad_(True)
+            q_pi = actor_q(self.critic, batch["obs"], batch["base"], action)
             # Adam normalises gradient scale away, so even a faint but consistent critic slope
             # saturates tanh within a few hundred updates; the penalty keeps a residual only
             # where dQ/dr beats 2 * residual_penalty * (r / scale).
@@ -315,11 +288,7 @@ DATA_PARALLEL = True  # runs under torchrun (embodied_rl/distributed.py)
 def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     """Collect with base + residual, update at the UTD ratio, evaluate and checkpoint."""
     algo = ResidualOffPolicyConfig.from_cfg(cfg.algo)
-    seed = int(cfg.seed)
-    torch.manual_seed(seed)
-    device = torch.device(str(cfg.device))
-    policy.eval()
-    policy.requires_grad_(False)
+    seed, device = freeze_and_seed(cfg, policy)
     num_envs = int(env.num_envs)
     obs_dim = policy.feature_dim if algo.normalize_obs else policy.obs_dim  # the size of head_input
     action_dim = int(env.single_action_space.shape[0])

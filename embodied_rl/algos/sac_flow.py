@@ -40,14 +40,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 from embodied_rl.actors.base import gaussian_logprob
 from embodied_rl.algos.chunks import ChunkOffPolicy
-from embodied_rl.algos.common import EnvEvaluation, FinetuneLoop, check_values, reward_settings
+from embodied_rl.algos.common import EnvEvaluation, FinetuneLoop, freeze_and_seed, reward_settings
 from embodied_rl.algos.offpolicy import (
-    QEnsemble,
+    OffPolicyConfig,
+    actor_q,
+    critic_and_target,
+    critic_step,
     demo_chunk_transitions,
     find_demo_path,
     load_demos,
@@ -62,49 +64,28 @@ from embodied_rl.policies.runner import executed_actions
 
 
 @dataclass(frozen=True)
-class SACFlowConfig:
+class SACFlowConfig(OffPolicyConfig):
     """configs/algo/sac_flow.yaml (the one home of its defaults)."""
 
-    name: str
     noise_level: float
     critic_hidden_sizes: list[int]
-    ensemble: int
-    gamma: float
-    tau: float
-    actor_lr: float
-    critic_lr: float
     alpha: float
     target_entropy: float | None
-    batch_size: int
-    buffer_size: int
-    utd_ratio: float
-    demo_fraction: float
     critic_only_steps: int
     action_reg: float
-    reward: str
     bootstrap_truncation: Any
-    data: str | None
 
-    @classmethod
-    def from_cfg(cls, algo: Any) -> SACFlowConfig:
-        config = cls(**OmegaConf.to_container(algo, resolve=True))
-        checks = [
-            ("noise_level", config.noise_level > 0, "> 0"),
-            ("ensemble", config.ensemble >= 1, ">= 1"),
-            ("gamma", 0.0 <= config.gamma <= 1.0, "in [0, 1]"),
-            ("tau", 0.0 < config.tau <= 1.0, "in (0, 1]"),
-            ("actor_lr", config.actor_lr > 0, "> 0"),
-            ("critic_lr", config.critic_lr > 0, "> 0"),
-            ("alpha", config.alpha > 0, "> 0"),
-            ("batch_size", config.batch_size >= 2, ">= 2"),
-            ("buffer_size", config.buffer_size >= 1, ">= 1"),
-            ("utd_ratio", config.utd_ratio > 0, "> 0"),
-            ("demo_fraction", 0.0 <= config.demo_fraction < 1.0, "in [0, 1)"),
-            ("critic_only_steps", config.critic_only_steps >= 0, ">= 0"),
-            ("action_reg", config.action_reg >= 0, ">= 0"),
+    def checks(self) -> list[tuple[str, bool, str]]:
+        return [
+            ("noise_level", self.noise_level > 0, "> 0"),
+            ("ensemble", self.ensemble >= 1, ">= 1"),
+            *super().checks(),
+            ("alpha", self.alpha > 0, "> 0"),
+            ("batch_size", self.batch_size >= 2, ">= 2"),
+            ("demo_fraction", 0.0 <= self.demo_fraction < 1.0, "in [0, 1)"),
+            ("critic_only_steps", self.critic_only_steps >= 0, ">= 0"),
+            ("action_reg", self.action_reg >= 0, ">= 0"),
         ]
-        check_values(config, checks)
-        return config
 
 
 def validate_config(cfg: Any) -> None:
@@ -162,10 +143,8 @@ class SACFlow:
         self.algo, self.policy = algo, policy
         self.chain = FlowChain(policy, algo.noise_level).to(device)
         critic_input = policy.cond_dim + int(policy.n_action_steps) * int(policy.action_dim)  # Q(cond, chunk)
-        self.critic = QEnsemble(critic_input, algo.critic_hidden_sizes, algo.ensemble).to(device)
-        self.critic_target = QEnsemble(critic_input, algo.critic_hidden_sizes, algo.ensemble).to(device)
-        self.critic_target.load_state_dict(self.critic.state_dict())
-        self.critic_target.requires_grad_(False)
+        self.critic, self.critic_target = critic_and_target(critic_input, algo.critic_hidden_sizes, algo.ensemble,
+                                                            device)
         self.log_alpha = torch.tensor(math.log(algo.alpha), device=device, requires_grad=True)
         self.actor_optimizer = torch.optim.Adam(self.chain.ft.net.parameters(), lr=algo.actor_lr)
         self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=algo.critic_lr)
@@ -183,11 +162,7 @@ class SACFlow:
             next_executed = executed_actions(self.policy, next_chunk).clamp(-1.0, 1.0)
             next_q = random_pair_min(self.critic_target(batch["next_cond"], next_executed), self.generator)
             target = batch["reward"] + batch["discount"] * (next_q - alpha * next_logprob)
-        q = self.critic(batch["cond"], batch["chunk"])
-        critic_loss = ((q - target[None]) ** 2).mean(1).sum()
-        self.critic_optimizer.zero_grad()
-        critic_loss.backward()
-        self.critic_optimizer.step()
+        critic_loss, q = critic_step(self.critic, self.critic_optimizer, target, batch["cond"], batch["chunk"])
         stats = {"train/critic_loss": critic_loss.item(), "train/q": q.mean().item(), "train/alpha": float(alpha)}
         if update_actor:
             noise = self.chain.noise(len(batch["cond"]), None, batch["cond"].device)
@@ -197,9 +172,7 @@ class SACFlow:
             # the clipped chunk. Outside the range a critic only extrapolates, and an unclipped chain
             # followed it there (lift: 36% of the entries beyond 1, up to 6); the clip leaves no
             # gradient on those entries, so a penalty on the excess pulls them back.
-            self.critic.requires_grad_(False)  # the actor loss needs dQ/da only
-            q_pi = self.critic(batch["cond"], executed.clamp(-1.0, 1.0)).mean(0)
-            self.critic.requires_grad_(True)
+            q_pi = actor_q(self.critic, batch["cond"], executed.clamp(-1.0, 1.0))
             # the critic's soft target keeps alpha in reward units; the actor weighs it against Q / mean|Q|
             q_term = -normalised_q(q_pi)
             out_of_range = (executed.abs() - 1.0).clamp(min=0.0).pow(2).flatten(1).sum(-1)
@@ -240,14 +213,9 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     if not policy.is_flow:
         raise UserError(f"algo=sac_flow fine-tunes a flow policy (policy=flow or vla); this checkpoint holds a "
                         f"{type(policy).__name__}")
-    seed = int(cfg.seed)
-    torch.manual_seed(seed)
-    device = torch.device(str(cfg.device))
-    policy.eval()
-    policy.requires_grad_(False)
+    seed, device = freeze_and_seed(cfg, policy)
     rewards = reward_settings(cfg)
     learner = SACFlow(algo, policy, device, seed)
-    num_envs = int(env.num_envs)
     demos = None
     if algo.demo_fraction > 0:
         dataset, success_terminates = load_demos(cfg, env)
@@ -276,16 +244,8 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     def act(cond: Tensor) -> Tensor:
         return learner.chain.draw(cond, act_generator)[0]  # the stochastic chain explores
 
-    stats: dict[str, float] = {}
+    def update(batch: dict[str, Tensor]) -> dict[str, float]:
+        return learner.update(batch, update_actor=loop.env_steps > algo.critic_only_steps)
+
     loop.start(f"finetune {algo.name}")
-    while loop.env_steps < loop.total_env_steps:
-        info = data.collect(act)
-        loop.advance(num_envs * data.chunk_steps, info)  # the batch steps every chunk step (envs.step_chunk)
-        for batch in data.updates():
-            stats = learner.update(batch, update_actor=loop.env_steps > algo.critic_only_steps)
-            for key in ("train/critic_loss", "train/actor_loss"):
-                if key in stats:
-                    loop.check_finite(key, stats[key], stats)
-        loop.log(stats)
-        loop.boundary(data.state)
-    return loop.finish(data.state())
+    return data.train(loop, act, update, {})

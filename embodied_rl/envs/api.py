@@ -52,24 +52,27 @@ class SimState:
     instruction: Tensor | None = None  # [N] int64 index into Task.instructions
 
 
-def sensor_slice(model: Any, name: str) -> slice:
-    """Columns of `sensordata` holding the sensor called `name` (looked up by name, once)."""
+def _object_id(model: Any, kind: str, name: str) -> int:
+    """The id of the model's `kind` (sensor, joint, actuator) called `name`; a ValueError naming
+    it when the model has none."""
     import mujoco
 
-    sensor_id = mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_SENSOR, name)
-    if sensor_id < 0:
-        raise ValueError(f"the model has no sensor named '{name}'")
+    object_id = mujoco.mj_name2id(model, getattr(mujoco.mjtObj, f"mjOBJ_{kind.upper()}"), name)
+    if object_id < 0:
+        raise ValueError(f"the model has no {kind} named '{name}'")
+    return int(object_id)
+
+
+def sensor_slice(model: Any, name: str) -> slice:
+    """Columns of `sensordata` holding the sensor called `name` (looked up by name, once)."""
+    sensor_id = _object_id(model, "sensor", name)
     start = int(model.sensor_adr[sensor_id])
     return slice(start, start + int(model.sensor_dim[sensor_id]))
 
 
 def joint_qpos_slice(model: Any, name: str) -> slice:
     """Columns of `qpos` of the joint called `name` (free: 7, ball: 4, slide/hinge: 1)."""
-    import mujoco
-
-    joint_id = mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_JOINT, name)
-    if joint_id < 0:
-        raise ValueError(f"the model has no joint named '{name}'")
+    joint_id = _object_id(model, "joint", name)
     width = {0: 7, 1: 4, 2: 1, 3: 1}[int(model.jnt_type[joint_id])]
     start = int(model.jnt_qposadr[joint_id])
     return slice(start, start + width)
@@ -77,11 +80,7 @@ def joint_qpos_slice(model: Any, name: str) -> slice:
 
 def joint_qvel_slice(model: Any, name: str) -> slice:
     """Columns of `qvel` of the joint called `name` (free: 6, ball: 3, slide/hinge: 1)."""
-    import mujoco
-
-    joint_id = mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_JOINT, name)
-    if joint_id < 0:
-        raise ValueError(f"the model has no joint named '{name}'")
+    joint_id = _object_id(model, "joint", name)
     width = {0: 6, 1: 3, 2: 1, 3: 1}[int(model.jnt_type[joint_id])]
     start = int(model.jnt_dofadr[joint_id])
     return slice(start, start + width)
@@ -89,12 +88,7 @@ def joint_qvel_slice(model: Any, name: str) -> slice:
 
 def actuator_index(model: Any, name: str) -> int:
     """Column of `ctrl` of the actuator called `name`."""
-    import mujoco
-
-    actuator_id = mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_ACTUATOR, name)
-    if actuator_id < 0:
-        raise ValueError(f"the model has no actuator named '{name}'")
-    return int(actuator_id)
+    return _object_id(model, "actuator", name)
 
 
 def scale_action(action: Tensor, low: Tensor, high: Tensor) -> Tensor:
@@ -367,8 +361,8 @@ class SimBatchedEnv(BatchedEnv):
 
     For a task with instructions, `_instruction` (int64 [N] on sim_device, None otherwise) holds
     each env's instruction id, drawn per episode with `task.sample_instruction` from the env's
-    generator; backends pass it to the SimState they build (`SimState(..., instruction=
-    self._instruction)`), and it is only ever updated in place.
+    generator; backends build their SimState with `_sim_state`, which passes it on, and it is only
+    ever updated in place.
     """
 
     sim_device: torch.device = torch.device("cpu")
@@ -426,6 +420,10 @@ class SimBatchedEnv(BatchedEnv):
     @property
     def state(self) -> SimState:
         raise NotImplementedError
+
+    def _sim_state(self, qpos: Tensor, qvel: Tensor, sensordata: Tensor, ctrl: Tensor) -> SimState:
+        """The SimState over a backend's batched buffers, with this env's instruction ids."""
+        return SimState(qpos, qvel, sensordata, ctrl, instruction=self._instruction)
 
     def _write_state(self, env_ids: Tensor, qpos: Tensor, qvel: Tensor) -> None:
         raise NotImplementedError

@@ -79,6 +79,17 @@ def is_task(name: str) -> bool:
     return metaworld.config_path(name.split("/", 1)[1]).is_file()
 
 
+def import_module(module_name: str, missing: str):
+    """The module `module_name`; where the module itself is not there, a UserError saying `missing`
+    (a module it imports that is missing stays a ModuleNotFoundError: a broken installation)."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name == module_name:
+            raise UserError(missing) from None
+        raise
+
+
 def task_class(name: str) -> type[Task]:
     if is_suite_task(name):
         from embodied_rl.envs.tasks import metaworld
@@ -88,12 +99,7 @@ def task_class(name: str) -> type[Task]:
         raise UserError(f"unknown task '{name}' (choose from: {', '.join(TASKS)}, or metaworld/<task>; "
                         "`embodied-rl tasks` lists them all)")
     module_name, class_name = TASKS[name]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name == module_name:
-            raise UserError(f"task '{name}' is not available in this installation ({module_name} is missing)") from None
-        raise
+    module = import_module(module_name, f"task '{name}' is not available in this installation ({module_name} is missing)")
     return getattr(module, class_name)
 
 
@@ -214,10 +220,8 @@ def backend_module(backend: str):
         raise UserError(f"unknown backend '{backend}' (choose from: {', '.join(BACKENDS)})")
     module_name = BACKENDS[backend]
     try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name == module_name:
-            raise UserError(f"backend '{backend}' is not available ({module_name} is missing)") from None
+        return import_module(module_name, f"backend '{backend}' is not available ({module_name} is missing)")
+    except ModuleNotFoundError as error:  # a package the backend needs: say how to install it
         if backend == "mujoco_warp" and error.name and error.name.split(".")[0] in ("mujoco_warp", "warp"):
             raise UserError("backend 'mujoco_warp' needs MuJoCo Warp: pip install 'embodied-rl[warp]'") from None
         if backend == "envpool" and error.name and error.name.split(".")[0] == "envpool":

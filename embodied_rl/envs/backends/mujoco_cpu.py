@@ -62,24 +62,18 @@ def default_threads(num_envs: int) -> int:
 
 
 class MujocoCpuEnv(SimBatchedEnv):
-    """BatchedEnv on native MuJoCo (float64 inside, float32 outside)."""
+    """BatchedEnv on native MuJoCo (float64 inside, float32 outside).
 
-    def __init__(
-        self,
-        task: Task,
-        num_envs: int,
-        device: str | torch.device = "cpu",
-        seed: int = 0,
-        obs_mode: str = "state",
-        image_size: int = 96,
-        render_size: int = 256,
-        threads: int | None = None,
-    ):
+    Args beyond SimBatchedEnv's (`options`: device, seed, obs_mode, image_size, render_size):
+        threads: the threads that step the envs (None: one per core, at most one per env).
+    """
+
+    def __init__(self, task: Task, num_envs: int, threads: int | None = None, **options: Any):
         import mujoco
 
         self._mujoco = mujoco
         model = task.load_model()
-        super().__init__(task, model, num_envs, device, seed, obs_mode, image_size, render_size)
+        super().__init__(task, model, num_envs, **options)
         n, nq, nv = self.num_envs, model.nq, model.nv
         self.datas = [mujoco.MjData(model) for _ in range(n)]
         # One row per env holding [qpos | qvel | sensordata]: one numpy call checks finiteness.
@@ -93,13 +87,8 @@ class MujocoCpuEnv(SimBatchedEnv):
                                                mujoco.mjtWarning.mjWARN_BADQVEL,
                                                mujoco.mjtWarning.mjWARN_BADQACC)]
         self._all_finite = torch.ones(n, dtype=torch.bool)
-        self._state = SimState(
-            qpos=torch.from_numpy(self._qpos),
-            qvel=torch.from_numpy(self._qvel),
-            sensordata=torch.from_numpy(self._sensordata),
-            ctrl=torch.from_numpy(self._ctrl),
-            instruction=self._instruction,  # SimBatchedEnv's per-env ids (None without instructions)
-        )
+        self._state = self._sim_state(torch.from_numpy(self._qpos), torch.from_numpy(self._qvel),
+                                      torch.from_numpy(self._sensordata), torch.from_numpy(self._ctrl))
         # Per env, the numpy views a step touches, made once: (data, data.ctrl, batched ctrl row,
         # (source, destination) pairs copied out after a step). Building them costs microseconds
         # per env, which every step would otherwise pay again.
@@ -259,4 +248,4 @@ class MujocoCpuEnv(SimBatchedEnv):
 
 
 def make_env(task: Task, num_envs: int, device: str = "cpu", seed: int = 0, **options: Any) -> MujocoCpuEnv:
-    return MujocoCpuEnv(task, num_envs, device, seed, **options)
+    return MujocoCpuEnv(task, num_envs, device=device, seed=seed, **options)

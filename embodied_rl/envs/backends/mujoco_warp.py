@@ -40,7 +40,7 @@ SNAPSHOT_FIELDS = ("time", "qpos", "qvel", "act", "history", "plastic", "qacc_wa
 class MujocoWarpEnv(SimBatchedEnv):
     """BatchedEnv on MuJoCo Warp (float32 inside and outside).
 
-    Args beyond SimBatchedEnv's:
+    Args beyond SimBatchedEnv's (`options`: seed, obs_mode, image_size, render_size):
         device: "cpu" (Warp's CPU device: slow, for tests) or "cuda" / "cuda:K".
         cuda_graph: capture the substep loop in a CUDA graph (default: on for CUDA devices).
         nconmax, njmax: contact and constraint capacity per world, passed to
@@ -52,13 +52,10 @@ class MujocoWarpEnv(SimBatchedEnv):
         task: Task,
         num_envs: int,
         device: str | torch.device = "cpu",
-        seed: int = 0,
-        obs_mode: str = "state",
-        image_size: int = 96,
-        render_size: int = 256,
         cuda_graph: bool | None = None,
         nconmax: int | None = None,
         njmax: int | None = None,
+        **options: Any,
     ):
         import mujoco
         import mujoco_warp as mjw
@@ -82,7 +79,7 @@ class MujocoWarpEnv(SimBatchedEnv):
             raise UserError("cuda_graph=True needs a CUDA device")
 
         model = task.load_model()
-        super().__init__(task, model, num_envs, device, seed, obs_mode, image_size, render_size)
+        super().__init__(task, model, num_envs, device, **options)
         n = self.num_envs
         self.substeps = int(task.control_substeps)
 
@@ -93,13 +90,8 @@ class MujocoWarpEnv(SimBatchedEnv):
             self.wp_data = mjw.put_data(model, data, nworld=n, nconmax=nconmax, njmax=njmax)
             self._reset_mask = wp.zeros(n, dtype=bool)
         d = self.wp_data
-        self._state = SimState(
-            qpos=wp.to_torch(d.qpos),
-            qvel=wp.to_torch(d.qvel),
-            sensordata=wp.to_torch(d.sensordata),
-            ctrl=wp.to_torch(d.ctrl),
-            instruction=self._instruction,  # SimBatchedEnv's per-env ids (None without instructions)
-        )
+        self._state = self._sim_state(wp.to_torch(d.qpos), wp.to_torch(d.qvel), wp.to_torch(d.sensordata),
+                                      wp.to_torch(d.ctrl))
         self._reset_mask_torch = wp.to_torch(self._reset_mask)
 
         # Kernels compile on this first run, which a CUDA graph capture requires anyway. The state
@@ -228,4 +220,4 @@ class MujocoWarpEnv(SimBatchedEnv):
 
 
 def make_env(task: Task, num_envs: int, device: str = "cpu", seed: int = 0, **options: Any) -> MujocoWarpEnv:
-    return MujocoWarpEnv(task, num_envs, device, seed, **options)
+    return MujocoWarpEnv(task, num_envs, device, seed=seed, **options)

@@ -11,11 +11,11 @@ Experts may read privileged state (`env.state`, a SimState, and `env.task`'s bou
 `quality` in [0, 1] degrades the expert: 1 is the best expert; lower adds action noise, random
 hesitation (zero actions held for a few steps) and slower motion. `ScriptedExpert` implements
 that degradation once; a task's expert implements `plan(obs) -> clean actions [N, A]`.
+`TargetExpert` is the base of the experts whose actions are position targets.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
@@ -60,8 +60,11 @@ class ScriptedExpert:
         return torch.zeros_like(actions)
 
     def reset(self, mask: Tensor | None = None) -> None:
-        mask = torch.ones(self.num_envs, dtype=torch.bool) if mask is None else mask.cpu().bool()
-        self.hesitating[mask] = 0
+        self.hesitating[self.reset_rows(mask)] = 0
+
+    def reset_rows(self, mask: Tensor | None) -> Tensor:
+        """`reset`'s mask as a CPU bool [N]; None: every env."""
+        return torch.ones(self.num_envs, dtype=torch.bool) if mask is None else mask.cpu().bool()
 
     def act(self, obs: Any) -> Tensor:
         actions = self.plan(obs).to(device="cpu", dtype=torch.float32)
@@ -78,15 +81,28 @@ class ScriptedExpert:
         return actions.clamp(-1.0, 1.0).to(self.device)
 
 
+class TargetExpert(ScriptedExpert):
+    """An expert whose actions are absolute position targets (push_t, lift, peg_insert, tabletop):
+    a smaller target is not a slower motion, so a worse expert moves less per step in `plan`
+    (each step scaled by `speed`), and a hesitating env holds where it is: `hold`, which `plan`
+    sets to the target of the effector's current position."""
+
+    slow_scale = 0.0  # absolute targets: slowness is applied in plan() instead
+    hesitate_prob = 0.05
+    hesitate_steps = 3
+
+    def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None):
+        super().__init__(env, quality, generator)
+        self.speed = 0.5 + 0.5 * self.quality  # the share of a full step that plan() moves
+        self.hold = torch.zeros(self.num_envs, self.task.action_dim)
+
+    def hold_action(self, actions: Tensor) -> Tensor:
+        return self.hold
+
+
 def make_expert(task_name: str, env: Any, quality: float = 1.0, generator: torch.Generator | None = None):
     """The scripted expert of `task_name` for `env` (a BatchedEnv of that task)."""
-    from embodied_rl.envs.registry import expert_module
+    from embodied_rl.envs.registry import expert_module, import_module
 
-    module_name = expert_module(task_name)
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name == module_name:
-            raise UserError(f"task '{task_name}' has no scripted expert") from None
-        raise
+    module = import_module(expert_module(task_name), f"task '{task_name}' has no scripted expert")
     return module.Expert(env, quality=quality, generator=generator)

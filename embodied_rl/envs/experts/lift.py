@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from embodied_rl.envs.experts import ScriptedExpert
+from embodied_rl.envs.experts import TargetExpert
 from embodied_rl.envs.experts.push_t import clamp_norm
 from embodied_rl.envs.tasks.lift import CUBE_HALF, YAW_RANGE
 from embodied_rl.envs.tasks.push_t import wrap_angle
@@ -28,11 +28,8 @@ LIFT_TARGET = 0.15
 CLOSE_STEPS = 3
 
 
-class Expert(ScriptedExpert):
+class Expert(TargetExpert):
     noise_scale = 0.04
-    slow_scale = 0.0  # absolute targets: slowness is applied in plan() instead
-    hesitate_prob = 0.05
-    hesitate_steps = 3
 
     def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None):
         super().__init__(env, quality, generator)
@@ -40,12 +37,11 @@ class Expert(ScriptedExpert):
         self.timer = torch.zeros(self.num_envs, dtype=torch.long)
         self.other_faces = torch.zeros(self.num_envs, dtype=torch.bool)
         self.hover = torch.full((self.num_envs,), 0.08)
-        self.hold = torch.zeros(self.num_envs, self.task.action_dim)
         self.reset()
 
     def reset(self, mask: Tensor | None = None) -> None:
         super().reset(mask)
-        mask = torch.ones(self.num_envs, dtype=torch.bool) if mask is None else mask.cpu().bool()
+        mask = self.reset_rows(mask)
         self.phase[mask] = 0
         self.timer[mask] = 0
         coin = torch.rand(self.num_envs, generator=self.generator) < 0.5
@@ -53,14 +49,10 @@ class Expert(ScriptedExpert):
         hover = 0.06 + 0.04 * torch.rand(self.num_envs, generator=self.generator)
         self.hover = torch.where(mask, hover, self.hover)
 
-    def hold_action(self, actions: Tensor) -> Tensor:
-        return self.hold
-
     def plan(self, obs: Any) -> Tensor:
         task = self.task
         p = {key: value.cpu() for key, value in task.poses(self.env.state).items()}
         hand, cube = p["hand"], p["cube"]
-        speed = 0.5 + 0.5 * self.quality
 
         # grasp yaw: the cube's yaw folded into [-45, 45] deg, or turned 90 deg to the other faces
         yaw = torch.remainder(p["cube_yaw"] + math.pi / 4, math.pi / 2) - math.pi / 4
@@ -90,7 +82,7 @@ class Expert(ScriptedExpert):
             phase == 3, torch.full_like(target[:, 2], LIFT_TARGET), target[:, 2]
         )
         target[:, :2] = torch.where((phase == 3)[:, None], hand[:, :2], target[:, :2])
-        step = torch.where(phase == 3, 0.04, 0.03) * speed
+        step = torch.where(phase == 3, 0.04, 0.03) * self.speed
         move = clamp_norm(target - hand, step)
         goal = hand + move
         grip = torch.where(phase >= 2, 1.0, -1.0)

@@ -16,40 +16,32 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from embodied_rl.envs.experts import ScriptedExpert
+from embodied_rl.envs.experts import TargetExpert
 from embodied_rl.envs.experts.push_t import clamp_norm
 
 TRAVEL_HEIGHT = 0.1  # metres above the rim
 
 
-class Expert(ScriptedExpert):
+class Expert(TargetExpert):
     noise_scale = 0.02  # action units (1 = 15 cm): 3 mm of noise at quality 0
-    slow_scale = 0.0  # absolute targets: slowness is applied in plan() instead
-    hesitate_prob = 0.05
-    hesitate_steps = 3
 
     def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None):
         super().__init__(env, quality, generator)
         self.direct = torch.zeros(self.num_envs, dtype=torch.bool)
         self.pre_insert = torch.full((self.num_envs,), 0.02)
-        self.hold = torch.zeros(self.num_envs, self.task.action_dim)
         self.reset()
 
     def reset(self, mask: Tensor | None = None) -> None:
         super().reset(mask)
-        mask = torch.ones(self.num_envs, dtype=torch.bool) if mask is None else mask.cpu().bool()
+        mask = self.reset_rows(mask)
         coin = torch.rand(self.num_envs, generator=self.generator) < 0.5
         self.direct = torch.where(mask, coin, self.direct)
         height = 0.01 + 0.03 * torch.rand(self.num_envs, generator=self.generator)
         self.pre_insert = torch.where(mask, height, self.pre_insert)
 
-    def hold_action(self, actions: Tensor) -> Tensor:
-        return self.hold
-
     def plan(self, obs: Any) -> Tensor:
         task = self.task
         tip, hole = (x.cpu() for x in task.poses(self.env.state))
-        speed = 0.5 + 0.5 * self.quality
         xy_error = (hole[:, :2] - tip[:, :2]).norm(dim=1)
         below_rim = tip[:, 2] < hole[:, 2] + 0.003
         on_axis = (xy_error < 0.0015) | (below_rim & (xy_error < 0.0025))
@@ -72,7 +64,7 @@ class Expert(ScriptedExpert):
             on_axis[:, None], insert, torch.where(below_rim[:, None], rise, approach)
         )
         # big moves are clamped per step; the final xy alignment is exact (position control)
-        step = torch.where(on_axis, 0.02, 0.04) * speed
+        step = torch.where(on_axis, 0.02, 0.04) * self.speed
         target = tip + clamp_norm(goal - tip, step)
         target[:, :2] = torch.where((xy_error < 0.01)[:, None], goal[:, :2], target[:, :2])
         self.hold = task.target_to_action(tip)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from embodied_rl.envs.experts import ScriptedExpert
+from embodied_rl.envs.experts import TargetExpert
 from embodied_rl.envs.tasks.push_t import BAR, STEM, TARGET_XY, TARGET_YAW, wrap_angle
 
 PUSHER_RADIUS = 0.015
@@ -82,10 +82,8 @@ def inside_inflated_t(points: Tensor, margin: float) -> Tensor:
     return inside
 
 
-class Expert(ScriptedExpert):
+class Expert(TargetExpert):
     noise_scale = 0.06  # action units (1 = 25 cm): 1.5 cm of target noise at quality 0
-    slow_scale = 0.0  # absolute targets: slowness is applied in plan() instead
-    hesitate_prob = 0.05
     hesitate_steps = 4
 
     def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None):
@@ -93,31 +91,26 @@ class Expert(ScriptedExpert):
         self.points, self.normals = contact_candidates()
         self.contact = torch.full((self.num_envs,), -1, dtype=torch.long)
         self.side = torch.ones(self.num_envs)
-        self.hold = torch.zeros(self.num_envs, 2)
         self.reset()
 
     def reset(self, mask: Tensor | None = None) -> None:
         super().reset(mask)
-        mask = torch.ones(self.num_envs, dtype=torch.bool) if mask is None else mask.cpu().bool()
+        mask = self.reset_rows(mask)
         self.contact[mask] = -1
         sides = torch.where(torch.rand(self.num_envs, generator=self.generator) < 0.5, -1.0, 1.0)
         self.side = torch.where(mask, sides, self.side)
-
-    def hold_action(self, actions: Tensor) -> Tensor:
-        return self.hold  # hesitate: keep the pusher where it is
 
     def plan(self, obs: Any) -> Tensor:
         task = self.task
         pusher, block, yaw = (x.cpu() for x in task.poses(self.env.state))
         n = pusher.shape[0]
         cos, sin = torch.cos(yaw), torch.sin(yaw)
-        speed = 0.5 + 0.5 * self.quality  # slower experts push and move less per step
 
         # 1. desired block motion for the next step
         position_error = torch.tensor(TARGET_XY) - block
         angle_error = wrap_angle(TARGET_YAW - yaw)
-        motion = clamp_norm(0.35 * position_error, 0.02 * speed)
-        turn = (0.35 * angle_error).clamp(-0.25 * speed, 0.25 * speed)
+        motion = clamp_norm(0.35 * position_error, 0.02 * self.speed)
+        turn = (0.35 * angle_error).clamp(-0.25 * self.speed, 0.25 * self.speed)
         wanted = torch.cat((motion, (turn * RHO)[:, None]), dim=1)  # [N, 3]
 
         # 2. score every contact candidate: least squares twist fit with a non-negative force
@@ -150,7 +143,7 @@ class Expert(ScriptedExpert):
         contact_motion = motion + turn[:, None] * torch.stack(
             (-r[rows, k, 1], r[rows, k, 0]), dim=1
         )
-        push = ((contact_motion * normal_k).sum(1)).clamp(0.002, 0.02 * speed)
+        push = ((contact_motion * normal_k).sum(1)).clamp(0.002, 0.02 * self.speed)
         push_target = contact - normal_k * PUSHER_RADIUS + normal_k * (2.0 * push + 0.004)[:, None]
 
         # 3b. reposition: to the pre-contact point, straight or round the block
@@ -161,17 +154,17 @@ class Expert(ScriptedExpert):
         )  # [N, 10, 2]
         path_local = rotate(path - block[:, None], cos[:, None], -sin[:, None])
         blocked = inside_inflated_t(path_local, PUSHER_RADIUS + 0.003).any(dim=1)
-        straight_target = pusher + clamp_norm(pre_contact - pusher, MAX_STEP * speed)
+        straight_target = pusher + clamp_norm(pre_contact - pusher, MAX_STEP * self.speed)
         angle_pusher = torch.atan2(pusher[:, 1] - block[:, 1], pusher[:, 0] - block[:, 0])
         angle_goal = torch.atan2(pre_contact[:, 1] - block[:, 1], pre_contact[:, 0] - block[:, 0])
         gap = wrap_angle(angle_goal - angle_pusher)
         direction = torch.where(gap.abs() > 2.1, self.side, torch.sign(gap))
-        step_angle = 0.3 * speed * direction
+        step_angle = 0.3 * self.speed * direction
         around = torch.stack(
             (torch.cos(angle_pusher + step_angle), torch.sin(angle_pusher + step_angle)), dim=1
         )
         around_target = block + CIRCLE_RADIUS * around
-        around_target = pusher + clamp_norm(around_target - pusher, MAX_STEP * speed)
+        around_target = pusher + clamp_norm(around_target - pusher, MAX_STEP * self.speed)
         reposition = torch.where(blocked[:, None], around_target, straight_target)
 
         target = torch.where(in_corridor[:, None], push_target, reposition)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from embodied_rl.envs.experts import ScriptedExpert
+from embodied_rl.envs.experts import TargetExpert
 from embodied_rl.envs.experts.push_t import clamp_norm
 from embodied_rl.envs.tasks.tabletop import CUBE_HALF, HAND_LOW_Z
 
@@ -30,11 +30,8 @@ OPEN_STEPS = 2
 PICK, PUT, TOUCH = 0, 1, 2
 
 
-class Expert(ScriptedExpert):
+class Expert(TargetExpert):
     noise_scale = 0.04
-    slow_scale = 0.0  # absolute targets: slowness is applied in plan() instead
-    hesitate_prob = 0.05
-    hesitate_steps = 3
 
     def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None):
         super().__init__(env, quality, generator)
@@ -44,12 +41,11 @@ class Expert(ScriptedExpert):
         self.hover = torch.full((n,), 0.09)
         self.carry = torch.full((n,), 0.12)
         self.aim = torch.zeros(n, 2)  # offset from the pad's centre where a cube or the hand goes
-        self.hold = torch.zeros(n, self.task.action_dim)
         self.reset()
 
     def reset(self, mask: Tensor | None = None) -> None:
         super().reset(mask)
-        mask = torch.ones(self.num_envs, dtype=torch.bool) if mask is None else mask.cpu().bool()
+        mask = self.reset_rows(mask)
         n = self.num_envs
         self.phase[mask] = 0
         self.timer[mask] = 0
@@ -60,15 +56,11 @@ class Expert(ScriptedExpert):
         self.carry = torch.where(mask, carry, self.carry)
         self.aim = torch.where(mask[:, None], aim, self.aim)
 
-    def hold_action(self, actions: Tensor) -> Tensor:
-        return self.hold
-
     def plan(self, obs: Any) -> Tensor:
         task, state = self.task, self.env.state
         p = {key: value.cpu() for key, value in task.poses(state).items()}
         kind, cube, pad = (value.cpu() for value in task.targets(state))
         hand = p["hand"]
-        speed = 0.5 + 0.5 * self.quality
         phase, timer = self.phase, self.timer
         touching = kind == TOUCH
 
@@ -105,7 +97,7 @@ class Expert(ScriptedExpert):
         target[across] = torch.cat((place_xy[across], self.carry[across, None]), dim=1)
         down = phase >= 5
         target[down] = torch.cat((place_xy[down], torch.full_like(self.carry[down, None], PLACE_HEIGHT)), dim=1)
-        step = torch.where(up | across, 0.05, 0.035) * speed
+        step = torch.where(up | across, 0.05, 0.035) * self.speed
         goal = hand + clamp_norm(target - hand, step)
         grip = torch.where((phase >= 2) & (phase <= 5), 1.0, -1.0)
         self.hold = task.target_to_action(hand, grip)
