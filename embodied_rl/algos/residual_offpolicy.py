@@ -128,6 +128,7 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
     policy_delay: int
     warmup_env_steps: int
     critic_only_steps: int
+    reach_ramp_steps: int      # the residual's bound grows to residual_scale over these env steps (algos/wsrl.py)
     interventions: str         # none | expert
     intervention_trigger: str  # stall | random
     stall_steps: int
@@ -154,6 +155,7 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
             ("policy_delay", self.policy_delay >= 1, ">= 1"),
             ("warmup_env_steps", self.warmup_env_steps >= 0, ">= 0"),
             ("critic_only_steps", self.critic_only_steps >= 0, ">= 0"),
+            ("reach_ramp_steps", self.reach_ramp_steps >= 0, ">= 0"),
             ("interventions", self.interventions in ("none", "expert"), "none or expert"),
             ("intervention_trigger", self.intervention_trigger in TRIGGERS, " or ".join(TRIGGERS)),
             ("stall_steps", self.stall_steps >= 1, ">= 1"),
@@ -201,6 +203,13 @@ class ResidualOffPolicyLearner:
         self.target_entropy = float(algo.target_entropy) if algo.target_entropy != "auto" else -float(action_dim)
         self.generator = torch.Generator().manual_seed(seed)
         self.updates = 0
+
+    def set_reach(self, fraction: float) -> None:
+        """Bound the residual to `fraction` of residual_scale (the ramp of WarmStart.reach); the
+        saved agent (agent.json) acts with the bound of the moment."""
+        scale = float(self.algo.residual_scale) * fraction
+        self.actor.scale = self.actor_target.scale = scale
+        self.config["residual_scale"] = scale
 
     def optimizers(self) -> dict[str, Any]:
         return {"actor": self.actor_optimizer, "critic": self.critic_optimizer, "alpha": self.alpha_optimizer}
@@ -295,7 +304,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     learner = ResidualOffPolicyLearner(algo, obs_dim, action_dim, device, seed)
     distributed.broadcast_modules([learner.actor, learner.actor_target, learner.critic, learner.critic_target])
     distributed.seed_rank(seed)  # the ranks explore and sample their replay with different noise
-    warm_start = WarmStart(algo.warmup_env_steps, algo.critic_only_steps)
+    warm_start = WarmStart(algo.warmup_env_steps, algo.critic_only_steps, algo.reach_ramp_steps)
     rewards = reward_settings(cfg)
     shapes = {"obs": (obs_dim,), "base": (action_dim,), "action": (action_dim,), "reward": (), "discount": (),
               "next_obs": (obs_dim,), "next_base": (action_dim,)}
@@ -360,6 +369,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     loop.start(f"finetune {algo.name}")
     while loop.env_steps < loop.total_env_steps:
         phase = warm_start.phase(loop.env_steps)
+        learner.set_reach(warm_start.reach(loop.env_steps))
         obs_features = features(obs)  # once per step: for the actor now, and for the replay
         residual = torch.zeros_like(base) if phase == WARMUP else learner.explore(obs_features, base.to(device)).to(base.device)
         action = takeover.act(obs, (base + residual).clamp(-1.0, 1.0))

@@ -8,6 +8,11 @@
         critic that has already seen on-policy data of the base policy.
     afterwards                                                "full": critic and actor updates.
 
+A residual learner may also ramp its reach (`reach`): the residual's bound grows linearly from
+5% to 100% of its scale over the first `reach_ramp_steps` env steps of the full phase, so an
+actor that still follows an immature critic can move the policy only a little (the dip below
+BC that a full-reach start shows on tasks BC already solves).
+
 Both lengths are in simulator env steps summed over all envs (the same clock as
 `cfg.env_steps`). WSRL (Zhou et al., 2024) showed that this keeps a pretrained policy from
 collapsing in the first online updates; ResFiT and DSRL use the same idea.
@@ -23,14 +28,20 @@ from embodied_rl.errors import UserError
 WARMUP, CRITIC, FULL = "warmup", "critic", "full"
 
 
+# the reach at the start of the ramp: the residual explores (and its actor gets a gradient) from
+# the first update, within a bound small enough to leave the base policy's behaviour intact
+FIRST_REACH = 0.05
+
+
 @dataclass
 class WarmStart:
     warmup_env_steps: int = 0
     critic_only_steps: int = 0
+    reach_ramp_steps: int = 0
 
     def __post_init__(self) -> None:
-        if self.warmup_env_steps < 0 or self.critic_only_steps < 0:
-            raise UserError("warmup_env_steps and critic_only_steps must be >= 0")
+        if self.warmup_env_steps < 0 or self.critic_only_steps < 0 or self.reach_ramp_steps < 0:
+            raise UserError("warmup_env_steps, critic_only_steps and reach_ramp_steps must be >= 0")
 
     def phase(self, env_steps: int) -> str:
         if env_steps < self.warmup_env_steps:
@@ -38,6 +49,13 @@ class WarmStart:
         if env_steps < self.warmup_env_steps + self.critic_only_steps:
             return CRITIC
         return FULL
+
+    def reach(self, env_steps: int) -> float:
+        """The fraction of the residual's scale it may use at `env_steps` (1 without a ramp)."""
+        if self.reach_ramp_steps == 0:
+            return 1.0
+        into_full = env_steps - self.warmup_env_steps - self.critic_only_steps
+        return min(1.0, max(FIRST_REACH, into_full / self.reach_ramp_steps))
 
     def updates_critic(self, env_steps: int) -> bool:
         return self.phase(env_steps) != WARMUP

@@ -20,6 +20,28 @@ def test_phases_in_order():
     assert WarmStart(0, 0).phase(0) == FULL
 
 
+def test_the_residual_reach_ramps_from_five_percent_after_the_critic_phase():
+    ramp = WarmStart(warmup_env_steps=10, critic_only_steps=20, reach_ramp_steps=100)
+    assert [ramp.reach(s) for s in (0, 29, 30, 35, 80, 130, 500)] == [0.05, 0.05, 0.05, 0.05, 0.5, 1.0, 1.0]
+    assert WarmStart(10, 20).reach(0) == 1.0  # no ramp: the full scale throughout
+
+
+def test_a_ramped_learner_bounds_its_residual_and_saves_the_bound():
+    from omegaconf import OmegaConf
+
+    from embodied_rl.algos.residual_offpolicy import ResidualOffPolicyConfig, ResidualOffPolicyLearner
+    from embodied_rl.paths import config_dir
+
+    algo = ResidualOffPolicyConfig.from_cfg(OmegaConf.load(config_dir() / "algo" / "residual_offpolicy.yaml"))
+    learner = ResidualOffPolicyLearner(algo, obs_dim=3, action_dim=2, device=torch.device("cpu"), seed=0)
+    with torch.no_grad():  # a saturated residual network
+        learner.actor.trunk[-1].bias.fill_(10.0)
+    learner.set_reach(0.1)
+    residual = learner.actor(torch.zeros(4, 3), torch.zeros(4, 2))
+    assert torch.allclose(residual, torch.full((4, 2), 0.1 * algo.residual_scale))
+    assert learner.config["residual_scale"] == 0.1 * algo.residual_scale  # agent.json acts with this bound
+
+
 def test_negative_lengths_are_user_errors():
     with pytest.raises(UserError):
         WarmStart(-1, 0)
