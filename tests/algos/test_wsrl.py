@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from embodied_rl.algos.dsrl import make_dsrl
+from embodied_rl.algos.residual_offpolicy import ResidualOffPolicyConfig, ResidualOffPolicyLearner
 from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart
 from embodied_rl.errors import UserError
+from embodied_rl.paths import config_dir
 from tests.algos.test_dsrl import algo_cfg, make_vec_env, tiny_policy
 
 
@@ -27,11 +30,6 @@ def test_the_residual_reach_ramps_from_five_percent_after_the_critic_phase():
 
 
 def test_a_ramped_learner_bounds_its_residual_and_saves_the_bound():
-    from omegaconf import OmegaConf
-
-    from embodied_rl.algos.residual_offpolicy import ResidualOffPolicyConfig, ResidualOffPolicyLearner
-    from embodied_rl.paths import config_dir
-
     algo = ResidualOffPolicyConfig.from_cfg(OmegaConf.load(config_dir() / "algo" / "residual_offpolicy.yaml"))
     learner = ResidualOffPolicyLearner(algo, obs_dim=3, action_dim=2, device=torch.device("cpu"), seed=0)
     with torch.no_grad():  # a saturated residual network
