@@ -22,3 +22,16 @@ def config_dir() -> Path:
 
 def asset_dir() -> Path:
     return _find("assets")
+
+
+def sim_dir(name: str) -> Path:
+    """The venv `embodied-rl setup-sim <name>` makes for a simulator that needs its own packages
+    (LIBERO): $EMBODIED_RL_SIMS/<name>, by default ~/.cache/embodied_rl/sims/<name> (under
+    $XDG_CACHE_HOME when set)."""
+    import os
+
+    root = os.environ.get("EMBODIED_RL_SIMS")
+    if not root:
+        cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        root = Path(cache) / "embodied_rl" / "sims"
+    return Path(root).expanduser() / name

@@ -249,6 +249,12 @@ class BatchedEnv:
         return list(task.instructions) if task is not None else []
 
     @property
+    def simulator(self) -> dict[str, str]:
+        """The simulator's package versions, recorded in eval_info.json (a simulator upgrade can
+        change every number): {"mujoco": "3.3.7", ...}; {} where a backend cannot tell."""
+        return {}
+
+    @property
     def action_dim(self) -> int:
         return int(self.single_action_space.shape[0])
 
@@ -367,6 +373,12 @@ class SimBatchedEnv(BatchedEnv):
 
     sim_device: torch.device = torch.device("cpu")
     can_snapshot = True
+
+    @property
+    def simulator(self) -> dict[str, str]:
+        import mujoco
+
+        return {"mujoco": mujoco.__version__}
 
     def __init__(
         self,

@@ -2,7 +2,8 @@
 
 Tasks: `TASKS[name] = (module, class)`; the module `embodied_rl.envs.tasks.<name>` defines the
 Task subclass. External suites are named with a prefix: `metaworld/<task>` and `metaworld/MT10`
-are MetaWorldTask classes built from their configs (embodied_rl.envs.tasks.metaworld).
+are MetaWorldTask classes built from their configs (embodied_rl.envs.tasks.metaworld),
+`libero/<suite>` and `libero/<suite>/<task id>` LiberoTask classes (embodied_rl.envs.tasks.libero).
 Backends: `BACKENDS[name] = module`; the module exposes
 `make_env(task, num_envs, device, seed, **options) -> BatchedEnv`, where `task` is a Task
 instance, or for backend="gymnasium" / "envpool" / "process" an env id (str) of that engine
@@ -57,26 +58,32 @@ def gym_id(task_name: str) -> str:
     return f"embodied_rl/{GYM_NAMES[task_name]}-v0"
 
 
+# External suites, named <prefix>/...: the module that describes their tasks, with task_names(),
+# is_task(name), task_class(name) and optionally has_expert(name).
+SUITES: dict[str, str] = {
+    "metaworld": "embodied_rl.envs.tasks.metaworld",
+    "libero": "embodied_rl.envs.tasks.libero",
+}
+
+
 def is_suite_task(name: str) -> bool:
-    """Whether `name` names a task of an external suite (metaworld/<task>)."""
-    return name.startswith("metaworld/")
+    """Whether `name` names a task of an external suite (metaworld/<task>, libero/<suite>/...)."""
+    return name.split("/", 1)[0] in SUITES and "/" in name
+
+
+def suite_module(name: str):
+    return importlib.import_module(SUITES[name.split("/", 1)[0]])
 
 
 def task_names() -> list[str]:
-    """Every task name: this package's tasks, then the external suites' (metaworld/...)."""
-    from embodied_rl.envs.tasks import metaworld
-
-    return [*TASKS, *metaworld.task_names()]
+    """Every task name: this package's tasks, then the external suites' (metaworld/..., libero/...)."""
+    return [*TASKS, *(name for module in SUITES.values() for name in importlib.import_module(module).task_names())]
 
 
 def is_task(name: str) -> bool:
     if name in TASKS:
         return True
-    if not is_suite_task(name):
-        return False
-    from embodied_rl.envs.tasks import metaworld
-
-    return metaworld.config_path(name.split("/", 1)[1]).is_file()
+    return is_suite_task(name) and suite_module(name).is_task(name)
 
 
 def import_module(module_name: str, missing: str):
@@ -92,12 +99,10 @@ def import_module(module_name: str, missing: str):
 
 def task_class(name: str) -> type[Task]:
     if is_suite_task(name):
-        from embodied_rl.envs.tasks import metaworld
-
-        return metaworld.task_class(name)
+        return suite_module(name).task_class(name)
     if name not in TASKS:
-        raise UserError(f"unknown task '{name}' (choose from: {', '.join(TASKS)}, or metaworld/<task>; "
-                        "`embodied-rl tasks` lists them all)")
+        raise UserError(f"unknown task '{name}' (choose from: {', '.join(TASKS)}, or metaworld/<task>, "
+                        "libero/<suite>[/<task id>]; `embodied-rl tasks` lists them all)")
     module_name, class_name = TASKS[name]
     module = import_module(module_name, f"task '{name}' is not available in this installation ({module_name} is missing)")
     return getattr(module, class_name)
@@ -114,12 +119,23 @@ def expert_module(name: str) -> str:
 
 
 def has_expert(name: str) -> bool:
-    """Whether the task has a scripted expert (a module embodied_rl.envs.experts.<name>)."""
+    """Whether the task has a scripted expert (a module embodied_rl.envs.experts.<name>; a suite
+    whose experts cover only some tasks says which)."""
+    if is_suite_task(name) and hasattr(suite_module(name), "has_expert"):
+        return suite_module(name).has_expert(name)
     return importlib.util.find_spec(expert_module(name)) is not None
 
 
+def check_simulator(name: str, task_options: Mapping[str, Any] | None = None) -> None:
+    """Refuse, in one line, a task whose simulator is not set up (LIBERO without its venv), so a
+    command stops before its run directory exists even where it makes its env late (pretrain)."""
+    cls = task_class(name)
+    if hasattr(cls, "worker_python"):
+        cls().worker_python(((task_options or {}).get("process") or {}).get("python"))
+
+
 # Keys of configs/task/<name>.yaml that commands read (collect, pretrain), not the Task.
-COMMAND_KEYS = ("name", "demos", "quality", "pretrain_steps")
+COMMAND_KEYS = ("name", "demos", "quality", "pretrain_steps", "image_size")
 # Keys that say what a task is: a config may state them, but only as the task has them.
 DESCRIPTIVE_KEYS = ("gym_id", "xml", "obs_dim", "action_dim", "camera", "has_success",
                     "success_criterion", "expert", "instructions", "suite_tasks")
@@ -266,7 +282,9 @@ def make(
     if backend == "envpool" and not is_task(name):  # an EnvPool id, e.g. Hopper-v5
         options.update(task_options or {})
         return module.make_env(name, int(num_envs), device, seed, **options)
-    if backend in ("gymnasium", "process"):
+    # a task that describes its own workers (LIBERO's process_spec) is made below, as a Task
+    describes_workers = is_task(name) and hasattr(task_class(name), "process_spec")
+    if backend in ("gymnasium", "process") and not describes_workers:
         if task_options and name in TASKS:  # this package's task, made inside each gymnasium env
             env_kwargs = dict(options.pop("env_kwargs", None) or {})
             options["env_kwargs"] = {**env_kwargs, "task_options": dict(task_options)}

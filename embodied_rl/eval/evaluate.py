@@ -102,7 +102,8 @@ def evaluate(
             bar.close()
     overall = summarize(per_episode, has_success)
     overall.update(num_envs=num_envs, seed=int(seed), eval_s=time.perf_counter() - start)
-    return {"overall": overall, "per_episode": per_episode}
+    # the simulator's versions: an upgrade can change every number (LIBERO's mujoco and robosuite)
+    return {"overall": overall, "simulator": dict(getattr(env, "simulator", {}) or {}), "per_episode": per_episode}
 
 
 def run_round(

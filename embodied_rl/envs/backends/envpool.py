@@ -282,6 +282,10 @@ class EnvPoolEnv(BatchedEnv):
 
     # ---------------------------------------------------------------- render / misc
 
+    @property
+    def simulator(self) -> dict[str, str]:
+        return {"envpool": str(getattr(self._envpool, "__version__", "unknown"))}  # its MuJoCo is built in
+
     def render(self, env_ids: torch.Tensor | list[int] | None = None) -> torch.Tensor:
         """uint8 Tensor[k, render_size, render_size, 3] of the envs `env_ids` (all when None)."""
         if not self._pools:

@@ -213,6 +213,12 @@ class MujocoWarpEnv(SimBatchedEnv):
 
         return torch.from_numpy(self._renderer.render(datas(), len(qpos), size))
 
+    @property
+    def simulator(self) -> dict[str, str]:
+        from importlib.metadata import version
+
+        return {**super().simulator, "mujoco_warp": version("mujoco-warp"), "warp": self._wp.__version__}
+
     def close(self) -> None:
         if self._renderer is not None:
             self._renderer.close()

@@ -52,8 +52,8 @@ from embodied_rl.errors import UserError
 
 WORKER = Path(__file__).with_name("process_worker.py")
 DEFAULT_TIMEOUT = 60.0
-# Starting a worker (its imports, making its envs: a robosuite scene takes seconds) may take
-# longer than a step: it gets at least this long.
+# Starting a worker (its imports, making its first env: a robosuite scene takes seconds) may
+# take longer than a step: it gets at least this long, and `timeout` more for each further env.
 START_TIMEOUT = 120.0
 OPTIONS = ("python", "workers", "timeout", "factory", "env_kwargs", "max_episode_steps",
            "render_mode", "flatten_obs")
@@ -173,8 +173,11 @@ class ProcessEnv(HostVectorEnv):
 
     Args:
         name: the env's name in messages; the gymnasium id to make unless `factory` is given.
-        spec: what each worker makes: {"env_id"} or {"factory": "module:attr"}, plus env_kwargs
-            and, for an env id, max_episode_steps, render_mode and flatten_obs.
+        spec: what each worker makes: {"env_id"} or {"factory": "module:attr"} (the module may be
+            a file: "/path/file.py:attr"), plus env_kwargs and, for an env id, max_episode_steps,
+            render_mode and flatten_obs. A factory's spec may add "per_env" (N dicts: env i's own
+            keyword arguments; a grouped reset keeps a group within envs made alike) and "setup"
+            (how to get a module the workers lack, for the message).
         num_envs, seed, device: as in the gymnasium backend (copy i is seeded seed + i).
         python: the workers' interpreter: None (this one), a path or a command.
         workers: W (default: one per available core, at most N).
@@ -189,6 +192,11 @@ class ProcessEnv(HostVectorEnv):
         count = min(int(workers or cores), num_envs)
         self.name = name
         self.timeout = float(timeout or DEFAULT_TIMEOUT)
+        spec = dict(spec)
+        self._setup_hint = spec.pop("setup", None)
+        self._per_env = spec.pop("per_env", None)
+        if self._per_env is not None and len(self._per_env) != num_envs:
+            raise ValueError(f"spec['per_env'] has {len(self._per_env)} entries for {num_envs} envs")
         bounds = np.linspace(0, num_envs, count + 1).round().astype(int)
         self._workers: list[Worker] = []
         self._stopper = weakref.finalize(self, _stop, self._workers)
@@ -198,9 +206,10 @@ class ProcessEnv(HostVectorEnv):
         except UserError:
             self.close()
             raise
+        most = max(len(worker.rows) for worker in self._workers)
         describes = [answer["describe"] for answer in self._request(
-            "make", [{"spec": spec, "count": len(worker.rows)} for worker in self._workers],
-            timeout=max(self.timeout, START_TIMEOUT))]
+            "make", [{"spec": self._worker_spec(spec, worker), "count": len(worker.rows)} for worker in self._workers],
+            timeout=max(self.timeout, START_TIMEOUT) + self.timeout * (most - 1))]
         self._describe = describes[0]
         for worker, other in zip(self._workers, describes):
             if {k: other[k] for k in ("obs", "action")} != {k: self._describe[k] for k in ("obs", "action")}:
@@ -213,6 +222,11 @@ class ProcessEnv(HostVectorEnv):
         self._map_shared_memory()
 
     # ---------------------------------------------------------------- set-up
+
+    def _worker_spec(self, spec: dict[str, Any], worker: Worker) -> dict[str, Any]:
+        if self._per_env is None:
+            return spec
+        return {**spec, "per_env": self._per_env[worker.rows.start:worker.rows.stop]}
 
     def _check_spaces(self) -> None:
         describe, name = self._describe, self.name
@@ -298,6 +312,8 @@ class ProcessEnv(HostVectorEnv):
 
     def _error_text(self, worker: Worker, answer: dict[str, Any]) -> str:
         missing = answer.get("missing")
+        if missing and self._setup_hint:
+            return f"cannot import {missing!r}: {self._setup_hint}"
         if missing:
             return (f"cannot import {missing!r}: install it into that interpreter ({worker.command[0]} -m pip "
                     f"install {missing}) or set task.process.python= (python=) to one that has it, e.g. {SETUP}")
@@ -322,6 +338,12 @@ class ProcessEnv(HostVectorEnv):
         Seeds as in the gymnasium backend: env i gets seed + i; later resets continue each
         env's stream; `group_size=G` gives groups of G reset envs one seed each."""
         ids, seeds = self._reset_seeds(seed, env_ids, group_size)
+        if (group_size or 1) > 1 and self._per_env is not None:
+            for start in range(0, len(ids), group_size):
+                group = ids[start:start + group_size]
+                if any(self._per_env[i] != self._per_env[group[0]] for i in group):
+                    raise UserError(f"group_size={group_size} puts envs {group[0]}-{group[-1]} of {self.name!r}, which "
+                                    "run different tasks, in one group: choose a group size that divides the envs per task")
         mask = np.zeros(self.num_envs, dtype=bool)
         mask[ids] = True
         busy = [worker for worker in self._workers if mask[worker.rows.start:worker.rows.stop].any()]
@@ -361,6 +383,11 @@ class ProcessEnv(HostVectorEnv):
     @property
     def instructions(self) -> list[str]:
         return list(self._describe["instructions"])
+
+    @property
+    def simulator(self) -> dict[str, str]:
+        """The versions the workers' env reports (its `versions` attribute; {} without one)."""
+        return dict(self._describe.get("versions") or {})
 
     def render(self, env_ids: torch.Tensor | list[int] | None = None) -> torch.Tensor:
         """uint8 Tensor[k, H, W, 3] of the envs `env_ids` (all when None), drawn by the workers
@@ -457,13 +484,15 @@ def _check_options(options: dict[str, Any]) -> None:
         raise UserError("env_kwargs must be JSON values (they travel to the workers as JSON)") from None
 
 
-def make_env(task: str, num_envs: int, device: str | torch.device = "cpu", seed: int = 0, *,
+def make_env(task: str | Any, num_envs: int, device: str | torch.device = "cpu", seed: int = 0, *,
              obs_mode: str = "state", image_size: int = 96, render_size: int = 256,
              **options: Any) -> ProcessEnv:
     """The registry's entry point: `task` is a gymnasium id (its `module:id` form imports the
     module in the worker first), a task name of this package (made in each worker through its
-    gymnasium registration, so that worker's interpreter needs embodied_rl), or with
-    `factory="module:attr"` a name for messages.
+    gymnasium registration, so that worker's interpreter needs embodied_rl), with
+    `factory="module:attr"` a name for messages, or a Task that describes its workers
+    (`process_spec(num_envs, obs_mode, image_size, render_size)` and `worker_python(python)`:
+    LIBERO's, envs/tasks/libero.py), which the env then carries as `env.task`.
 
     Options: python, workers, timeout; factory; env_kwargs (JSON values, to gymnasium.make or
     the factory); for an env id max_episode_steps, render_mode (default "rgb_array") and
@@ -477,9 +506,17 @@ def make_env(task: str, num_envs: int, device: str | torch.device = "cpu", seed:
     if unknown:
         raise UserError(f"unknown option(s) {unknown} for the process backend (choose from: {', '.join(OPTIONS)})")
     _check_options(options)
+    process = {key: options.pop(key) for key in ("python", "workers", "timeout") if key in options}
+    if not isinstance(task, str):
+        if options:
+            raise UserError(f"option(s) {sorted(options)} do not apply to task '{task.name}', which makes its own envs")
+        process["python"] = task.worker_python(process.get("python"))
+        env = ProcessEnv(task.name, task.process_spec(num_envs, obs_mode, image_size, render_size),
+                         num_envs=num_envs, seed=seed, device=device, **process)
+        env.task = task
+        return env
     factory = options.pop("factory", None)
     env_kwargs = dict(options.pop("env_kwargs", None) or {})
-    process = {key: options.pop(key) for key in ("python", "workers", "timeout") if key in options}
     if factory is not None:
         if options:
             raise UserError(f"option(s) {sorted(options)} apply to a gymnasium id, not to a factory "

@@ -12,6 +12,8 @@ that both processes map. Commands and their short answers are one JSON object pe
 worker's stdin and stdout:
 
   {"cmd": "make", "spec": {...}, "count": K}      -> {"ok": true, "describe": {spaces, ...}}
+      spec: {"env_id", ...} or {"factory": "module:attr" or "/path/file.py:attr", "env_kwargs",
+      "per_env": K dicts, env k's own keyword arguments (optional)}
   {"cmd": "attach", "path": P, "size": S, "rows": [start, stop],
    "fields": [[name, offset, shape, dtype], ...]} -> {"ok": true}
   {"cmd": "reset", "seeds": [int or null] * K, "mask": [bool] * K}    obs -> shared memory
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import base64
 import importlib
+import importlib.util
 import json
 import math
 import mmap
@@ -150,20 +153,46 @@ def describe(env, spec):
     limit = (getattr(env_spec, "max_episode_steps", None) or spec.get("max_episode_steps")
              or getattr(unwrapped, "max_episode_steps", None))
     instructions = getattr(unwrapped, "instructions", None) or []
+    versions = getattr(unwrapped, "versions", None) or {}  # the simulator's packages, where it says them
     return {"obs": fields, "dict_obs": isinstance(subspaces, dict), "action": action,
             "can_snapshot": hasattr(unwrapped, "get_state") and hasattr(unwrapped, "set_state"),
             "action_space": type(act_space).__name__, "max_episode_steps": limit,
-            "instructions": [str(text) for text in instructions]}
+            "instructions": [str(text) for text in instructions],
+            "versions": {str(key): str(value) for key, value in dict(versions).items()}}
+
+
+def import_factory(factory):
+    """The function "module:attr" names; the module may be a file ("/path/to/file.py:attr"),
+    for a factory that is no installed module (embodied_rl/envs/sims/*.py, which this
+    interpreter cannot import as part of embodied_rl)."""
+    module_name, _, attr = factory.partition(":")
+    if not module_name.endswith(".py"):
+        return getattr(_import(module_name), attr)
+    name = os.path.splitext(os.path.basename(module_name))[0]
+    spec = importlib.util.spec_from_file_location(name, module_name)
+    if spec is None or not os.path.isfile(module_name):
+        raise ValueError(f"the factory file {module_name!r} does not exist")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except ModuleNotFoundError as error:
+        raise Missing.of(error) from None
+    return getattr(module, attr)
 
 
 def make_envs(spec, count):
-    """K envs from the spec: a factory "module:attr" called with env_kwargs, or a gymnasium id
-    made as the gymnasium backend makes it."""
+    """K envs from the spec: a factory "module:attr" called with env_kwargs (and env k's own
+    entry of per_env, this worker's rows of it), or a gymnasium id made as the gymnasium backend
+    makes it."""
     kwargs = dict(spec.get("env_kwargs") or {})
     if spec.get("factory"):
-        module_name, _, attr = spec["factory"].partition(":")
-        factory = getattr(_import(module_name), attr)
-        return [factory(**kwargs) for _ in range(count)]
+        factory = import_factory(spec["factory"])
+        per_env = spec.get("per_env") or [{}] * count
+        try:
+            return [factory(**kwargs, **per_env[k]) for k in range(count)]
+        except ModuleNotFoundError as error:  # the simulator itself, imported by the factory
+            raise Missing.of(error) from None
     gym = _import("gymnasium")
 
     def make_one():

@@ -48,6 +48,10 @@ def task_names() -> list[str]:
         PREFIX + name for name in names if name not in SUITES]
 
 
+def is_task(name: str) -> bool:
+    return config_path(name[len(PREFIX):]).is_file()
+
+
 @functools.cache
 def _config(short_name: str) -> dict[str, Any]:
     path = config_path(short_name)
