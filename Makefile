@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint clean
+.PHONY: install demo test test-fast lint clean setup-libero
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: install
 
 test-fast: install
 	$(PYTEST) -m "not e2e and not slow"; $(NO_TESTS)
+
+# LIBERO's own venv (robosuite 1.4, mujoco 3.3.7) for task=libero/...: docs/backends.md
+setup-libero: install
+	$(BIN)/embodied-rl setup-sim libero
 
 lint: install
 	$(BIN)/ruff check embodied_rl tests benchmarks scripts

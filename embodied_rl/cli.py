@@ -38,7 +38,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tasks": ("list every task: backends, observation modes, success criterion, expert", "embodied_rl.commands.tasks"),
     "import-demos": ("read a LeRobotDataset v3 directory into a demo dataset", "embodied_rl.commands.import_demos"),
     "export-demos": ("write a demo dataset as a LeRobotDataset v3 directory", "embodied_rl.commands.export_demos"),
+    "setup-sim": ("make a simulator's own venv: setup-sim libero", "embodied_rl.commands.setup_sim"),
 }
+# Commands whose first argument may be a bare value: `embodied-rl setup-sim libero` is sim=libero.
+POSITIONAL = {"setup-sim": "sim"}
 
 USAGE = """usage: embodied-rl <command> [key=value ...]
 
@@ -97,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"embodied-rl {__version__}")
         return 0
     command, overrides = argv[0], argv[1:]
+    if command in POSITIONAL and overrides and "=" not in overrides[0] and not overrides[0].startswith("-"):
+        overrides[0] = f"{POSITIONAL[command]}={overrides[0]}"
     os.environ.setdefault("MUJOCO_GL", "egl")  # offscreen rendering; read when mujoco is imported
     if command not in COMMANDS:
         print(f"error: unknown command '{command}' (choose from: {', '.join(COMMANDS)})", file=sys.stderr)

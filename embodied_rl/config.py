@@ -29,6 +29,16 @@ def _hydra_error_line(command: str, error: Exception) -> str:
         group, option = match.groups()
         if not (config_dir() / group).is_dir():
             return f"unknown {group} '{option}'"
+        # within a family (task=libero/libero_spatial/12), the choices of the deepest folder it names
+        folder, prefix = config_dir() / group, ""
+        for part in option.split("/")[:-1]:
+            if not (folder / part).is_dir():
+                break
+            folder, prefix = folder / part, f"{prefix}{part}/"
+        if prefix:
+            choices = [prefix + p.stem for p in sorted(folder.glob("*.yaml"))]
+            choices += [f"{prefix}{p.name}/<{group}>" for p in sorted(folder.iterdir()) if p.is_dir()]
+            return f"unknown {group} '{option}' (choose from: {', '.join(choices)})"
         # a group's sub-folders are families of options (task=metaworld/<task>, task=lm/<task>)
         families = sorted(f"{p.name}/<{group}>" for p in (config_dir() / group).iterdir() if p.is_dir())
         more = "; `embodied-rl tasks` lists every task" if group == "task" else ""

@@ -143,11 +143,13 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     from embodied_rl.algos.bc import BCConfig, save_checkpoint, train_bc
     from embodied_rl.data import ChunkWindows, DemoDataset
     from embodied_rl.envs import task_overrides
-    from embodied_rl.envs.registry import resolve_backend
+    from embodied_rl.envs.registry import check_simulator, resolve_backend
     from embodied_rl.runs import start_run
 
     task = OmegaConf.select(cfg, "task.name", default=None)
     task_options = task_overrides(cfg.task)  # for the evaluation env
+    if cfg.eval_episodes > 0:  # the evaluation env is made after training: its simulator is checked now
+        check_simulator(task, task_options)
     dataset = DemoDataset.load(Path(str(cfg.data)).expanduser(), max_episodes=cfg.max_demos)
     data_task = dataset.attrs.get("task")
     if task and data_task and data_task != task:

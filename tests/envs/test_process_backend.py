@@ -276,3 +276,28 @@ def test_shared_memory_leaves_nothing_behind():
         assert np.isfinite(env.step(torch.zeros(1, 1))[1].numpy()).all()
     after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     assert not {name for name in after - before if name.startswith("embodied_rl_process_")}
+
+
+@slow
+def test_a_factory_file_makes_each_env_with_its_own_arguments():
+    """A factory named by its file (no installed module: LIBERO's envs/sims/libero_env.py), env i
+    made with per_env[i], the env's versions passed on, and a grouped reset kept within envs
+    made alike."""
+    spec = {"factory": f"{HERE / 'toy_envs.py'}:labelled", "per_env": [{"label": i // 2} for i in range(4)]}
+    with process.ProcessEnv("labelled", spec, num_envs=4, workers=2) as env:
+        obs, _ = env.reset(seed=0)
+        assert obs[:, 2].tolist() == [0, 0, 1, 1]
+        assert env.simulator == {"toy": "1.0"}
+        env.reset(group_size=2)  # each group's envs were made alike
+        with pytest.raises(UserError, match="group_size=4 puts envs 0-3 of 'labelled', which run different tasks"):
+            env.reset(group_size=4)
+
+
+@slow
+def test_a_module_the_factory_lacks_is_one_line_saying_how_to_set_it_up():
+    spec = {"factory": f"{HERE / 'toy_envs.py'}:labelled", "env_kwargs": {"needs": "no_such_simulator"},
+            "setup": "run `make-the-simulator`"}
+    with pytest.raises(UserError, match=r"envs 0-1 .* cannot import 'no_such_simulator': run `make-the-simulator`$"):
+        process.ProcessEnv("labelled", spec, num_envs=2, workers=1)
+    with pytest.raises(UserError, match=r"the factory file '/no/such/file.py' does not exist"):
+        process.ProcessEnv("labelled", {"factory": "/no/such/file.py:make"}, num_envs=1, workers=1)

@@ -109,3 +109,30 @@ class SnapshotCountEnv(CountEnv):
 
 
 gym.register("TestSnapshotCount-v0", entry_point=SnapshotCountEnv, max_episode_steps=4)
+
+
+class LabelledCountEnv(CountEnv):
+    """A CountEnv whose observation's last entry is its `label` (each env's own keyword argument,
+    from the process backend's per_env) and that reports its simulator's versions."""
+
+    versions = {"toy": "1.0"}
+
+    def __init__(self, label=0.0):
+        super().__init__()
+        self.label = float(label)
+
+    def reset(self, *, seed=None, options=None):
+        obs, info = super().reset(seed=seed)
+        return np.array([0.0, 0.0, self.label]), info
+
+    def step(self, action):
+        obs, *rest = super().step(action)
+        return np.array([obs[0], obs[1], self.label]), *rest
+
+
+def labelled(label=0.0, needs=None):
+    """A factory for the process backend by file path (toy_envs.py:labelled); `needs` names a
+    module it imports first (a simulator this interpreter may lack)."""
+    if needs:
+        __import__(needs)
+    return gym.wrappers.TimeLimit(LabelledCountEnv(label), max_episode_steps=4)
