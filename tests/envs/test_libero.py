@@ -192,6 +192,7 @@ def test_collect_pretrain_eval_and_finetune_run_on_a_libero_task(tmp_path, capsy
     info = json.loads((tmp_path / "e" / "eval_info.json").read_text())
     assert info["simulator"]["robosuite"] == "1.4.0" and "mujoco" in info["simulator"]
     assert info["per_episode"][0]["video"]
-    assert main(["finetune", *task, f"checkpoint={tmp_path / 'p'}", "algo=dsrl", "env_steps=8", "num_envs=1",
-                 "eval_episodes=1", "videos=0", f"run_dir={tmp_path / 'f'}"]) == 0
-    assert "simulator" in json.loads((tmp_path / "f" / "eval_info.json").read_text())
+    assert main(["finetune", *task, f"checkpoint={tmp_path / 'p'}", "algo=residual_ppo", "algo.num_steps=4", "env_steps=8",
+                 "num_envs=1", "eval_every=0", "eval_episodes=1", "videos=0", f"run_dir={tmp_path / 'f'}"]) == 0
+    assert (tmp_path / "f" / "checkpoints" / "last" / "agent.json").exists()
+    assert json.loads((tmp_path / "p" / "eval_info.json").read_text())["simulator"] == info["simulator"]

@@ -27,7 +27,10 @@ has one fixed layout per suite (`STATE_LAYOUT`):
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
+import io
+import logging
 import os
 import platform
 
@@ -55,12 +58,16 @@ def versions() -> dict[str, str]:
 
 def load_task(suite: str, task_id: int):
     """LIBERO's task `task_id` of `suite` (its benchmark order 0) and its initial states."""
+    # robosuite warns at import that it has no private macro file, LIBERO prints the task order
+    # it applies: lines per worker that say nothing about this run
+    logging.getLogger("robosuite_logs").addFilter(lambda record: "macro" not in record.getMessage())
     from libero.libero import benchmark
 
     benchmarks = benchmark.get_benchmark_dict()
     if suite not in benchmarks:
         raise ValueError(f"LIBERO has no suite {suite!r} (it has: {', '.join(sorted(benchmarks))})")
-    tasks = benchmarks[suite](task_order_index=0)
+    with contextlib.redirect_stdout(io.StringIO()):
+        tasks = benchmarks[suite](task_order_index=0)
     if not 0 <= task_id < tasks.get_num_tasks():
         raise ValueError(f"LIBERO's {suite} has tasks 0-{tasks.get_num_tasks() - 1}, not {task_id}")
     return tasks.get_task(task_id), tasks.get_task_bddl_file_path(task_id), tasks.get_task_init_states(task_id)
