@@ -4,7 +4,6 @@ The tests that run LIBERO skip, with the reason, where its venv is absent (`embo
 libero` makes it); what needs no LIBERO (the task descriptions, bad input) always runs.
 """
 
-import ast
 import json
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from embodied_rl.config import compose
 from embodied_rl.envs import make, make_expert, registry, task_overrides
 from embodied_rl.envs.tasks import libero
 from embodied_rl.paths import sim_dir
+from tests.envs.test_process_backend import imported_packages
 
 LIBERO_PYTHON = sim_dir("libero") / "bin" / "python"
 needs_libero = pytest.mark.skipif(
@@ -94,13 +94,7 @@ def test_an_interpreter_without_libero_says_how_to_set_it_up(tmp_path, capsys):
 
 def test_the_worker_side_env_imports_only_numpy_gymnasium_and_the_simulator():
     """embodied_rl/envs/sims/libero_env.py runs in LIBERO's venv: no torch, nothing of this package."""
-    tree = ast.parse(libero.WORKER_ENV.read_text())
-    imported = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            imported.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            imported.add(node.module.split(".")[0])
+    imported = imported_packages(libero.WORKER_ENV)
     assert not imported - set(sys.stdlib_module_names) - {"numpy", "gymnasium", "libero", "mujoco"}, imported
 
 
@@ -157,7 +151,7 @@ def test_a_task_keeps_the_contract_in_libero_s_venv():
         obs, _ = env.reset(seed=3)
         assert obs["state"].shape == (1, task.obs_dim) and obs["instruction"].tolist() == [0]
         assert obs["pixels"].shape == (1, 32, 64, 3)  # agentview and wrist, side by side
-        for t in range(3):
+        for _ in range(3):
             obs, reward, terminated, truncated, info = env.step(torch.zeros(1, 7))
         assert truncated.tolist() == [True] and terminated.tolist() == [False] and reward.tolist() == [0.0]
         assert info["_final"].tolist() == [True] and not info["success"].any()

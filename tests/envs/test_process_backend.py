@@ -255,16 +255,21 @@ def test_workers_end_when_their_parent_dies(tmp_path):
     assert len(pids) == 2 and wait_gone(pids)
 
 
-def test_the_worker_imports_no_torch_and_nothing_of_this_package():
-    """The worker runs in other venvs: the standard library and numpy only, Python 3.8 syntax."""
-    source = Path(process.WORKER).read_text()
-    tree = ast.parse(source, feature_version=(3, 8))
+def imported_packages(path, feature_version=None):
+    """The top-level packages a source file imports (anywhere in it)."""
+    tree = ast.parse(Path(path).read_text(), feature_version=feature_version)
     imported = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             imported.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             imported.add(node.module.split(".")[0])
+    return imported
+
+
+def test_the_worker_imports_no_torch_and_nothing_of_this_package():
+    """The worker runs in other venvs: the standard library and numpy only, Python 3.8 syntax."""
+    imported = imported_packages(process.WORKER, feature_version=(3, 8))
     assert not imported - set(sys.stdlib_module_names) - {"numpy"}, imported
 
 
