@@ -261,9 +261,9 @@ def make(
     """Make N copies of a task on a backend.
 
     `name` is a registered task (reach, reach_choice, push_t, lift, peg_insert, hopper, tabletop,
-    metaworld/<task>, metaworld/MT10, ...), or for backend="gymnasium" / "envpool" / "process" an
-    env id of that engine. `backend=None` takes the task's default (`Task.backends[0]`: mujoco for this
-    package's tasks, envpool for Meta-World). `obs_mode="pixels"` returns obs dicts
+    metaworld/<task>, metaworld/MT10, libero/<suite>[/<task id>], ...), or for backend="gymnasium" /
+    "envpool" / "process" an env id of that engine. `backend=None` takes the task's default
+    (`Task.backends[0]`: mujoco for this package's tasks, envpool for Meta-World, process for LIBERO). `obs_mode="pixels"` returns obs dicts
     {"state": f32 [N, D], "pixels": u8 [N, image_size, image_size, 3]}. `task_options` override
     Task class attributes (e.g. {"max_episode_steps": 100}); their entry "process" (task.process
     in a task config) holds options of the process backend; `backend_options` go to the backend.

@@ -17,7 +17,7 @@ episode with reward 1; the time limit is the suite's (configs/task/libero/<suite
 Observation: {"state": float32 [D], "instruction": the task's id in the suite's instruction
 list, and with pixels=True "pixels": uint8 [S, 2S, 3], the agentview and wrist cameras side by
 side, each S x S and turned 180 degrees as LIBERO's evaluation does}. The state is privileged and
-has one fixed layout per suite (`STATE_LAYOUT`):
+has one fixed layout per suite:
   robot: eef position (3), eef quaternion xyzw (4), gripper finger positions (2), joint angles (7)
   objects: per movable object, in LIBERO's order, position (3) and quaternion xyzw (4), zero
     rows up to the suite's `object_slots`
@@ -42,7 +42,9 @@ ROBOT_DIM = 16  # eef position 3, eef quaternion 4, gripper fingers 2, joint ang
 OBJECT_DIM = 7  # position 3, quaternion 4
 ROBOT_PREFIXES = ("robot0_", "gripper0_", "mount0_")  # MuJoCo names of the arm, hand and base
 CAMERAS = ("agentview", "robot0_eye_in_hand")
-STATE_LAYOUT = "robot 16 (eef pos 3, eef quat 4, gripper 2, joints 7), objects 7 each (pos 3, quat 4), joints 1 each"
+# robosuite warns at its import that it has no private macro file, and LIBERO prints the task
+# order it applies (load_task): lines from every worker that say nothing about the run
+logging.getLogger("robosuite_logs").addFilter(lambda record: "macro" not in record.getMessage())
 
 
 def versions() -> dict[str, str]:
@@ -58,9 +60,6 @@ def versions() -> dict[str, str]:
 
 def load_task(suite: str, task_id: int):
     """LIBERO's task `task_id` of `suite` (its benchmark order 0) and its initial states."""
-    # robosuite warns at import that it has no private macro file, LIBERO prints the task order
-    # it applies: lines per worker that say nothing about this run
-    logging.getLogger("robosuite_logs").addFilter(lambda record: "macro" not in record.getMessage())
     from libero.libero import benchmark
 
     benchmarks = benchmark.get_benchmark_dict()
