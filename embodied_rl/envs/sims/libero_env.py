@@ -75,9 +75,9 @@ def load_task(suite: str, task_id: int):
 def articulated_joints(sim) -> list[int]:
     """Ids of the scene's hinge and slide joints (drawers, doors, knobs): every joint that is not
     free (a movable object) and not the robot's."""
-    model = sim.model._model
     import mujoco
 
+    model = sim.model._model
     joints = []
     for j in range(model.njnt):
         name = mujoco.mj_id2name(model, mujoco.mjtObj.mjOBJ_JOINT, j) or ""
@@ -95,7 +95,7 @@ class LiberoEnv:
                  instructions: list[str], instruction: int = 0, pixels: bool = False, image_size: int = 128,
                  render_size: int = 256):
         import gymnasium
-        from libero.libero.envs import OffScreenRenderEnv
+        from libero.libero.envs.env_wrapper import ControlEnv
 
         self.task, bddl_file, self.init_states = load_task(suite, int(task_id))
         self.suite, self.task_id = suite, int(task_id)
@@ -109,9 +109,12 @@ class LiberoEnv:
         # hard_reset=False: a reset re-samples the scene in the same MuJoCo model instead of
         # compiling a new one (seconds); the initial state then overwrites the whole scene.
         # ignore_done: robosuite's own horizon never ends an episode; max_episode_steps does.
-        self._env = OffScreenRenderEnv(
+        # The offscreen renderer (about 0.4 GB per env here) only with pixels; render() makes one
+        # when a video first asks.
+        self._env = ControlEnv(
             bddl_file_name=bddl_file, camera_heights=self.image_size, camera_widths=self.image_size,
-            use_camera_obs=self.pixels, camera_names=list(CAMERAS), hard_reset=False, ignore_done=True)
+            use_camera_obs=self.pixels, has_offscreen_renderer=self.pixels, camera_names=list(CAMERAS),
+            hard_reset=False, ignore_done=True)
         self._objects = [obj.name for obj in self._env.env.objects]
         sim = self._env.sim
         self._joint_qpos = [int(sim.model._model.jnt_qposadr[j]) for j in articulated_joints(sim)]
@@ -130,10 +133,6 @@ class LiberoEnv:
         self.action_space = gymnasium.spaces.Box(np.float32(low), np.float32(high), dtype=np.float32)
         self._rng = np.random.default_rng()
         self._steps = 0
-
-    @property
-    def unwrapped(self) -> LiberoEnv:
-        return self
 
     @property
     def objects(self) -> list[str]:
@@ -188,7 +187,13 @@ class LiberoEnv:
 
     def render(self) -> np.ndarray:
         """The agentview camera at render_size, as the policy sees it (turned)."""
-        frame = self._env.sim.render(self.render_size, self.render_size, camera_name=CAMERAS[0])
+        sim = self._env.sim
+        if sim._render_context_offscreen is None:  # as robosuite sets up its own: visual meshes only
+            from robosuite.utils.binding_utils import MjRenderContextOffscreen
+
+            context = MjRenderContextOffscreen(sim, device_id=-1)  # registers itself with the sim
+            context.vopt.geomgroup[0], context.vopt.geomgroup[1] = 0, 1
+        frame = sim.render(self.render_size, self.render_size, camera_name=CAMERAS[0])
         return self._turn(frame)
 
     def close(self) -> None:
