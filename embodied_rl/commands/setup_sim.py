@@ -62,9 +62,9 @@ def check(python: Path, sim: Sim) -> dict[str, str] | None:
 def run(command: list[str], what: str) -> None:
     """Run a step of the set-up, its output on stderr; a failure is one UserError line."""
     try:
-        done = subprocess.run(command, stdout=sys.stderr)
+        done = subprocess.run(command, stdout=2)  # its progress on this process's stderr (fd 2)
     except OSError as error:
-        raise UserError(f"could not {what}: {command[0]}: {error.strerror}") from None
+        raise UserError(f"could not {what}: {command[0]}: {error.strerror or error}") from None
     if done.returncode != 0:
         raise UserError(f"could not {what} (`{' '.join(command)}` exited with {done.returncode}; its output "
                         "above says why); this environment was not changed")
