@@ -92,7 +92,7 @@ def main() -> None:
         tasks.append(description)
         if task_id == 0 and args.regression:
             regression = json.loads(REGRESSION_JSON.read_text()) if REGRESSION_JSON.exists() else {}
-            obs, _ = env.reset(options={"init_state": 0})
+            obs, _ = env.reset(seed=0, options={"init_state": 0})
             used = obs["state"][:libero_env.ROBOT_DIM + libero_env.OBJECT_DIM * len(description["objects"])]
             regression[f"libero/{args.suite}/0"] = {
                 "versions": libero_env.versions(), "objects": description["objects"],

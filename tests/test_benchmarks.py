@@ -417,3 +417,14 @@ def test_process_overhead_compares_the_process_backend_with_gymnasium(capsys, mo
     ratios = headline["Pendulum-v1/N=2"]
     assert set(ratios) == {"process_1w_wall", "process_1w_cpu", "process_wall", "process_cpu"}
     assert all(value > 0 for value in ratios.values())
+
+
+@pytest.mark.skipif(not (__import__("embodied_rl.paths").paths.sim_dir("libero") / "bin" / "python").exists(),
+                    reason="LIBERO's venv is absent: run `embodied-rl setup-sim libero` (docs/backends.md)")
+def test_libero_experts_reports_speed_with_and_without_cameras(capsys, monkeypatch):
+    bench = load_benchmark("libero_experts")
+    monkeypatch.setattr(sys, "argv", ["libero_experts.py", "--suites", "none", "--speed", "1", "--speed-envs", "1",
+                                      "--workers", "1"])
+    bench.main()
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["steps_per_s_state"] > report["steps_per_s_pixels"] > 0

@@ -110,7 +110,7 @@ for name, entry in stored.items():
     task, _, states = module.load_task(suite, int(task_id))
     env = module.make_env(suite=suite, task_id=int(task_id), max_episode_steps=10, object_slots=slots,
                           joint_slots=16, instructions=[task.language])
-    obs, _ = env.reset(options={"init_state": 0})
+    obs, _ = env.reset(seed=0, options={"init_state": 0})
     import hashlib
     out[name] = {"objects": env.objects, "robot_and_objects": obs["state"][:16 + 7 * slots].tolist(),
                  "init_states_sha256": hashlib.sha256(states.tobytes()).hexdigest(), "versions": module.versions()}

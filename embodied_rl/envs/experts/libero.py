@@ -21,8 +21,9 @@ rotation command; positions are proportional commands too (a full action moves t
 1.2 cm per step). Grasps depend on the object's category (`GRASPS`: sizes read off LIBERO's
 meshes): boxes and bottles across their narrow side at their centre, shifted along their long
 side away from neighbours; the black bowl by its rim. The bowl in the cabinet's open drawer
-(LIBERO-Spatial task 4) is grasped by the rim nearest the robot with the hand turned 90 degrees,
-as the hand is longer than the drawer's opening.
+(LIBERO-Spatial task 4) is grasped by its rim farthest from the robot with the hand turned 90
+degrees: the hand is longer than the drawer's opening, and on the robot's side a finger can
+catch the cabinet (LIBERO places the cabinet anew at every reset, a centimetre either way).
 
 Measured success (docs/tasks.md): at least 90% on every task of both suites. Quality < 1 adds
 noise and hesitations (ScriptedExpert; a hesitating hand holds still: a zero gripper command
@@ -66,7 +67,7 @@ GRASPS = {
 }
 SURFACES = {"plate": 0.016, "basket": 0.146}  # the target's top above its origin
 # (suite, task id) -> the hand's yaw and the grasp point's offset from the object's origin
-SPECIAL = {("libero_spatial", 4): (math.pi / 2, (-0.047, 0.0))}
+SPECIAL = {("libero_spatial", 4): (math.pi / 2, (0.047, 0.0))}
 
 APPROACH, DESCEND, CLOSE, LIFT, CARRY, LOWER, RELEASE, RETREAT = range(8)
 FINGER_OPEN = 0.04  # a finger's position when open (closed: 0)

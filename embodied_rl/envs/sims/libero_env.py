@@ -147,7 +147,15 @@ class LiberoEnv:
         index = int(self._rng.integers(len(self.init_states)))
         if options and options.get("init_state") is not None:
             index = int(options["init_state"])
+        # LIBERO places the fixtures (cabinet, stove, rack: model body poses, which no initial
+        # state holds) anew at every reset, from numpy's global generator: seeded from this env's
+        # own, an episode depends on its seed, not on what other envs of the process did before
+        np.random.seed(int(self._rng.integers(2**32)))
         self._env.reset()
+        # robosuite's gripper keeps its last command across a reset that builds no new model: the
+        # settling steps would then start from the last episode's grip
+        for robot in self._env.env.robots:
+            robot.gripper.current_action = np.zeros_like(robot.gripper.current_action)
         raw = self._env.set_init_state(self.init_states[index])
         for _ in range(WAIT_STEPS):
             raw, _, _, _ = self._env.step(np.asarray(WAIT_ACTION))
