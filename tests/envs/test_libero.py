@@ -150,6 +150,9 @@ def test_a_task_keeps_the_contract_in_libero_s_venv():
         assert env.simulator["robosuite"] == "1.4.0" and env.simulator["mujoco"].startswith("3.")
         obs, _ = env.reset(seed=3)
         assert obs["state"].shape == (1, task.obs_dim) and obs["instruction"].tolist() == [0]
+        env.step(torch.ones(1, 7))
+        again, _ = env.reset(seed=3)  # an episode depends on its seed, not on what ran before
+        assert torch.equal(again["state"], obs["state"]) and torch.equal(again["pixels"], obs["pixels"])
         assert obs["pixels"].shape == (1, 32, 64, 3)  # agentview and wrist, side by side
         for _ in range(3):
             obs, reward, terminated, truncated, info = env.step(torch.zeros(1, 7))
