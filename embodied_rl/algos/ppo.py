@@ -204,7 +204,6 @@ def collect_ppo(env, henv, actor, obs, num_steps: int, loop: FinetuneLoop, spars
     return batch, obs
 
 
-@torch.no_grad()
 def explained_variance(prediction: torch.Tensor, target: torch.Tensor) -> float | None:
     """1 - Var(target - prediction) / Var(target): 1 for a perfect critic, 0 for one that predicts
     the mean, negative for worse; None when the targets do not vary."""
@@ -212,6 +211,7 @@ def explained_variance(prediction: torch.Tensor, target: torch.Tensor) -> float 
     return None if variance == 0 else float(1 - (target - prediction).var() / variance)
 
 
+@torch.no_grad()
 def collect_grpo(env, henv, actor, group_size: int, max_mdp_steps: int, sparse_reward: bool = False):
     """One episode per env from G-fold shared initial states. Returns (batch, stats); the
     episodes' env steps are counted by the caller (every env runs until the last one ends)."""
