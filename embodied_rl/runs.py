@@ -414,10 +414,16 @@ def check_previous_run(cfg: Any, command: str, may_change: tuple[str, ...]) -> N
     # how the work is spread (threads, the process backend's workers and their timeout) changes
     # no number, so a run may resume with other values
     spread = ("threads", "task.process.workers", "task.process.timeout")
-    changed = sorted(key for key in before.keys() | now.keys()
+    # a key the earlier run's config lacks is a setting added to the toolkit since it was written:
+    # the run resumes with that key's value, stated (its config.yaml records it from now on)
+    added = sorted(key for key in now.keys() - before.keys() if key not in (*may_change, *spread, "run_dir"))
+    changed = sorted(key for key in before.keys()
                      if before.get(key) != now.get(key) and key not in (*may_change, *spread, "run_dir"))
     if changed:
         shown = ", ".join(f"{key}={before.get(key)} -> {now.get(key)}" for key in changed[:3])
         more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
         raise UserError(f"run_dir '{path}' holds a run with other settings ({shown}{more}); resume it with "
                         f"the same settings (only {', '.join(may_change)} may change) or choose a new run_dir")
+    if added:
+        print(f"resuming a run written before these settings existed: {', '.join(f'{k}={now[k]}' for k in added)}",
+              flush=True)

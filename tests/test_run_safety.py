@@ -234,3 +234,20 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_its_curve_over(toy_dat
     (run_dir / "done.json").unlink()
     assert main(args) == 0
     assert [row["step"] for row in read_metrics(run_dir) if "train/loss" in row] == [5, 10]
+
+
+def test_a_run_resumes_across_settings_added_since_it_was_written(tmp_path, capsys):
+    """A key missing from an earlier run's config.yaml is a setting the toolkit gained since:
+    the run resumes with it, stated; a key whose value differs is refused."""
+    from omegaconf import OmegaConf
+
+    from embodied_rl.errors import UserError
+    from embodied_rl.runs import check_previous_run
+
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml({"algo": {"lr": 0.1}, "env_steps": 10}))
+    now = OmegaConf.create({"algo": {"lr": 0.1, "ramp": 0}, "env_steps": 20, "run_dir": str(tmp_path)})
+    check_previous_run(now, "finetune", ("env_steps",))
+    assert "written before these settings existed: algo.ramp=0" in capsys.readouterr().out
+    now.algo.lr = 0.2
+    with pytest.raises(UserError, match=r"other settings \(algo.lr=0.1 -> 0.2\)"):
+        check_previous_run(now, "finetune", ("env_steps",))
