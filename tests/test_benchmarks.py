@@ -428,3 +428,43 @@ def test_libero_experts_reports_speed_with_and_without_cameras(capsys, monkeypat
     bench.main()
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["steps_per_s_state"] > report["steps_per_s_pixels"] > 0
+
+
+def test_gradient_signal_agreement_separates_signal_from_noise():
+    bench = load_benchmark("gradient_signal")
+    torch.manual_seed(0)
+    signal = torch.randn(4000)
+    noisy = [signal + 0.5 * torch.randn(4000) for _ in range(4)]  # |s|^2 / E|g|^2 = 1 / 1.25
+    pure = [torch.randn(4000) for _ in range(4)]
+    assert bench.agreement(noisy)["signal_share"] == pytest.approx(0.8, abs=0.05)
+    assert bench.agreement(noisy)["cosine_mean"] == pytest.approx(0.8, abs=0.05)
+    assert abs(bench.agreement(pure)["cosine_mean"]) < 0.05
+
+
+def test_gradient_signal_measures_a_reinflow_actor_and_its_line_search(tmp_path, capsys):
+    bench = load_benchmark("gradient_signal")
+    checkpoint = _tiny_flow_checkpoint(tmp_path)
+    args = bench.parse_args(["--checkpoint", str(checkpoint), "--task", "reach", "--algo", "reinflow", "--num-envs", "4",
+                             "--batches", "3", "--num-steps", "2", "--set", "algo.actor_kwargs.critic_hidden=16",
+                             "--line-search-episodes", "4"])
+    result = bench.run(args)
+    assert result["samples_per_batch"] == 8 and result["batches"] == 3
+    for side in ("real", "shuffled"):
+        assert -1 <= result[side]["cosine_mean"] <= 1
+    success = result["line_search"]["success"]
+    assert set(success) == {"start"} | {f"{d} {s * eta:+g}" for d in ("signal", "noise") for s in (1, -1)
+                                        for eta in bench.LINE_SEARCH_STEPS}
+    assert all(0 <= rate <= 1 for rate in success.values())
+    assert "pairwise cosine, shuffled advantages" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--checkpoint", str(checkpoint), "--task", "reach", "--batches", "1"])
+
+
+def _tiny_flow_checkpoint(tmp_path):
+    from embodied_rl.policies import make_policy, save_policy
+
+    torch.manual_seed(0)
+    policy = make_policy("flow", obs_dim=8, action_dim=2, n_obs_steps=2, horizon=4, n_action_steps=2,
+                         num_inference_steps=2, task="reach", backbone_kwargs=dict(hidden_dim=16, num_blocks=1, time_dim=8))
+    save_policy(policy, tmp_path / "flow")
+    return tmp_path / "flow"
