@@ -1,8 +1,9 @@
 """`embodied-rl pretrain task=lm/<name> steps=N`: supervised fine-tuning on the task's worked
 examples.
 
-Each step draws `batch_size` training problems (a fresh deterministic stream from the seed) and
-minimises the cross-entropy of the answer tokens and the end-of-sequence token only (the prompt
+Each step draws `batch_size` training problems (a fresh deterministic stream from the seed or,
+with `lm.sft_problems=N`, epochs over a fixed set of N training problems in a new order each epoch:
+the setting where labelled answers are scarce) and minimises the cross-entropy of the answer tokens and the end-of-sequence token only (the prompt
 is context, not a target). The model is `model=PATH` (any local Hugging Face causal LM with its
 tokenizer) or, by default, the tiny Llama of `lm.model` with the character tokenizer, trained
 from scratch. AdamW, linear warmup then cosine decay. Every `eval_every` steps and at the end
@@ -49,6 +50,7 @@ def validate(cfg: DictConfig) -> None:
     _integer(cfg, "eval_every", 1, allow_none=True)
     _integer(cfg, "eval_episodes", 0)
     _integer(cfg, "lm.warmup_steps", 0)
+    _integer(cfg, "lm.sft_problems", 1, allow_none=True)
     for key in ("lm.lr", "lm.weight_decay"):
         value = OmegaConf.select(cfg, key)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (key == "lm.lr" and value == 0):
@@ -57,6 +59,17 @@ def validate(cfg: DictConfig) -> None:
     check_device(cfg.device)
     if cfg.get("model") not in (None, "") and not Path(str(cfg.model)).expanduser().is_dir():
         raise UserError(f"model directory '{cfg.model}' does not exist")
+
+
+def epochs(problems: list[Any], seed: int):
+    """An endless stream over a fixed problem set: every problem once per epoch, a new order each."""
+    import random
+
+    rng = random.Random(f"sft-epochs/{seed}")
+    order = list(problems)
+    while True:
+        rng.shuffle(order)
+        yield from order
 
 
 def training_batch(tokenizer: Any, problems: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -137,9 +150,18 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
                                   betas=(0.9, 0.98))
     warmup = min(int(cfg.lm.warmup_steps), steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup, steps))
-    stream = task.stream("train", int(cfg.seed))
+    sft_problems = cfg.lm.get("sft_problems")
+    if sft_problems is None:
+        stream = task.stream("train", int(cfg.seed))
+        data = "a fresh problem every draw"
+    else:
+        fixed = task.problems("train", int(sft_problems), seed=int(cfg.seed))
+        if len(fixed) < int(sft_problems):
+            raise UserError(f"lm.sft_problems={sft_problems}: {task.name}'s training split has only {len(fixed)} problems")
+        stream = epochs(fixed, int(cfg.seed))
+        data = f"{len(fixed)} fixed problems, {steps * batch_size / len(fixed):.1f} epochs"
     run = start_run(cfg, "pretrain")
-    print(f"{task.name}: {parameter_count(model) / 1e6:.2f}M parameters, {steps} steps of {batch_size} problems")
+    print(f"{task.name}: {parameter_count(model) / 1e6:.2f}M parameters, {steps} steps of {batch_size} problems ({data})")
 
     def evaluate(step: int) -> dict[str, Any]:
         info = evaluate_model(model, tokenizer, task, eval_problems, max_new_tokens=max_new_tokens,

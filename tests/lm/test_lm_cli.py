@@ -126,3 +126,21 @@ def test_a_truncated_model_file_is_one_line(pretrained, tmp_path, capsys):
     assert err.strip().splitlines()[-1].startswith("error: cannot load model") and err.count("error:") == 1
     assert "SafetensorError" in err
     assert not (tmp_path / "eval").exists()
+
+
+def test_pretrain_on_a_fixed_problem_set_runs_epochs_over_it(tmp_path, capsys, monkeypatch):
+    import embodied_rl.lm.sft as sft
+
+    seen: list[list[str]] = []
+    original = sft.training_batch
+    monkeypatch.setattr(sft, "training_batch", lambda tokenizer, problems: (
+        seen.append([p.key for p in problems]), original(tokenizer, problems))[1])
+    args = ["pretrain", *TINY, "batch_size=5", "steps=4", "eval_episodes=0", "lm.sft_problems=10"]
+    assert main([*args, f"run_dir={tmp_path / 'fixed'}"]) == 0
+    assert "(10 fixed problems, 2.0 epochs)" in capsys.readouterr().out
+    drawn = [key for batch in seen for key in batch]
+    assert len(set(drawn[:10])) == 10 and set(drawn[10:]) == set(drawn[:10])  # each epoch is the whole set, once
+    assert drawn[10:] != drawn[:10]  # in a new order
+    assert main([*args[:-1], "lm.sft_problems=0", f"run_dir={tmp_path / 'bad'}"]) == 2
+    assert "lm.sft_problems must be an integer >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
