@@ -99,7 +99,10 @@ class LMTask:
 
 
 class AdditionTask(LMTask):
-    """a + b, each operand with a number of digits drawn uniformly from min_digits..digits."""
+    """a + b, each operand uniform over the integers of min_digits..digits digits. Uniform over
+    the problems, not over digit counts: drawing the count first would make one-digit sums (100
+    of them) a quarter of all training draws at digits=2 while the held-out set, distinct problems,
+    is mostly two-digit sums, so training and evaluation would see different tasks."""
 
     name = "lm/addition"
 
@@ -113,8 +116,7 @@ class AdditionTask(LMTask):
         self.digits, self.min_digits = digits, min_digits
 
     def _operand(self, rng: random.Random) -> int:
-        n = rng.randint(self.min_digits, self.digits)
-        return rng.randint(0 if n == 1 else 10 ** (n - 1), 10**n - 1)
+        return rng.randint(0 if self.min_digits == 1 else 10 ** (self.min_digits - 1), 10**self.digits - 1)
 
     def sample(self, rng: random.Random) -> Problem:
         a, b = self._operand(rng), self._operand(rng)

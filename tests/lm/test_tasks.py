@@ -89,3 +89,15 @@ def test_make_task_refuses_bad_options():
         make_task({"name": "lm/nope"})
     with pytest.raises(UserError, match="bad task config"):
         make_task({"name": "lm/countdown", "colour": 1})
+
+
+def test_addition_trains_on_the_problem_mix_it_is_evaluated_on():
+    """Training draws and the held-out set (distinct problems) hold two-digit sums in the same share."""
+    import itertools
+
+    task = AdditionTask(digits=2)
+    def two_digit_share(problems):
+        return sum(all(len(x) == 2 for x in p.prompt.rstrip("=").split("+")) for p in problems) / len(problems)
+    draws = list(itertools.islice(task.stream("train", 0), 4000))
+    assert abs(two_digit_share(draws) - two_digit_share(task.problems("test", 500))) < 0.05
+    assert two_digit_share(draws) == pytest.approx(0.81, abs=0.03)  # 90 of 100 operands have two digits
