@@ -4,6 +4,7 @@
     python benchmarks/lm_table.py --task lm/countdown --algos grpo ppo --steps 200 --countdown-steps 200
     python benchmarks/lm_table.py --task lm/addition --algos grpo --checkpoint SFT_RUN_DIR --agg seq-mean-token-mean
     python benchmarks/lm_table.py --skip-trl                               # embodied_rl only
+    python benchmarks/lm_table.py --task lm/addition --algos grpo --checkpoint SFT --task-set digits=2   # task options
 
 On each task (--tasks, default lm/addition and lm/countdown) one SFT checkpoint (a local Hugging
 Face model directory with its tokenizer, written by `embodied-rl pretrain`; made here with
@@ -75,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=8, help="completions per problem (TRL num_generations)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-new-tokens", type=int, default=None, help="completion budget; default the task's")
+    parser.add_argument("--task-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a task option for every run and the TRL side, e.g. digits=2 (task.digits=2)")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--clip-low", type=float, default=0.2)
     parser.add_argument("--clip-high", type=float, default=0.28)
@@ -115,19 +118,21 @@ def sft_checkpoint(args: argparse.Namespace, task: str, out: Path) -> Path:
     run_dir = out / f"sft_{args.sft_steps}"
     if not (run_dir / "checkpoints" / "last").is_dir():
         cli(["pretrain", f"task={task}", f"steps={args.sft_steps}", "batch_size=64", "eval_episodes=0",
-             f"seed={args.seed}", f"run_dir={run_dir}"])
+             f"seed={args.seed}", f"run_dir={run_dir}", *task_overrides(args)])
     return resolve_model_dir(run_dir)
 
 
 def evaluate(args: argparse.Namespace, task: str, checkpoint: Path, run_dir: Path) -> dict:
     """OUR eval of a model directory: greedy pass@1 over the first --eval-problems held-out problems."""
     cli(["eval", f"task={task}", f"checkpoint={checkpoint}", f"lm.problems={args.eval_problems}",
-         f"seed={args.seed}", f"run_dir={run_dir}"] + budget_override(args))
+         f"seed={args.seed}", f"run_dir={run_dir}"] + task_overrides(args))
     return json.loads((run_dir / "eval_info.json").read_text())["overall"]
 
 
-def budget_override(args: argparse.Namespace) -> list[str]:
-    return [f"task.max_new_tokens={args.max_new_tokens}"] if args.max_new_tokens else []
+def task_overrides(args: argparse.Namespace) -> list[str]:
+    """The task options every command and the TRL side take: --max-new-tokens and each --task-set."""
+    budget = [f"task.max_new_tokens={args.max_new_tokens}"] if args.max_new_tokens else []
+    return budget + [f"task.{option}" for option in args.task_set]
 
 
 def run_embodied_rl(args: argparse.Namespace, task: str, algo: str, sft: Path, run_dir: Path) -> dict:
@@ -147,7 +152,7 @@ def run_embodied_rl(args: argparse.Namespace, task: str, algo: str, sft: Path, r
     start = time.perf_counter()
     try:
         cli(["finetune", f"task={task}", f"checkpoint={sft}", f"algo={algo}", f"seed={args.seed}",
-             f"run_dir={run_dir}", *overrides, *budget_override(args)])
+             f"run_dir={run_dir}", *overrides, *task_overrides(args)])
     finally:
         common.KEEP_CHECKPOINTS = keep
     wall = time.perf_counter() - start
@@ -189,7 +194,7 @@ def run_trl(args: argparse.Namespace, task_name: str, sft: Path, run_dir: Path) 
     from embodied_rl.lm.model import load_model, recorded_task, save_model
     from embodied_rl.lm.tasks import make_task
 
-    task_cfg = compose("finetune", [f"task={task_name}", *budget_override(args)]).task
+    task_cfg = compose("finetune", [f"task={task_name}", *task_overrides(args)]).task
     task = make_task(task_cfg)
     max_new_tokens = int(task_cfg.max_new_tokens)
     # our finetune draws `prompts` problems per iteration from this stream, in this order

@@ -196,6 +196,8 @@ def test_lm_table_task_options(tmp_path):
     assert args.tasks == ["lm/addition", "lm/countdown"] and args.algos == ["grpo", "rloo", "reinforce_pp", "ppo"]
     assert bench.task_args(args, "lm/addition").steps == 200 and bench.task_args(args, "lm/countdown").steps == 100
     assert bench.parse_args(["--task", "lm/countdown"]).tasks == ["lm/countdown"]
+    options = bench.parse_args(["--task-set", "digits=2", "--task-set", "min_digits=2", "--max-new-tokens", "6"])
+    assert bench.task_overrides(options) == ["task.max_new_tokens=6", "task.digits=2", "task.min_digits=2"]
     with pytest.raises(SystemExit) as exit_info:  # one SFT checkpoint cannot start two tasks
         bench.parse_args(["--checkpoint", str(tmp_path)])
     assert exit_info.value.code == 2
