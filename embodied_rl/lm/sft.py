@@ -2,12 +2,13 @@
 examples.
 
 Each step draws `batch_size` training problems (a fresh deterministic stream from the seed or,
-with `lm.sft_problems=N`, epochs over a fixed set of N training problems in a new order each epoch:
-the setting where labelled answers are scarce) and minimises the cross-entropy of the answer
-tokens and the end-of-sequence token only (the prompt is context, not a target). The model is
-`model=PATH` (any local Hugging Face causal LM with its tokenizer) or, by default, the tiny Llama
-of `lm.model` with the character tokenizer, trained from scratch. AdamW, linear warmup then cosine decay. Every `eval_every` steps and at the end
-the model completes `eval_episodes` held-out problems greedily (pass@1 with a Wilson interval).
+with `lm.sft_problems=N`, epochs over a fixed set of N training problems in a new order each
+epoch: the setting where labelled answers are scarce) and minimises the cross-entropy of the
+answer tokens and the end-of-sequence token only (the prompt is context, not a target). The
+model is `model=PATH` (any local Hugging Face causal LM with its tokenizer) or, by default, the
+tiny Llama of `lm.model` with the character tokenizer, trained from scratch. AdamW, linear
+warmup then cosine decay. Every `eval_every` steps and at the end the model completes
+`eval_episodes` held-out problems greedily (pass@1 with a Wilson interval).
 
 Run directory: config.yaml, metrics.jsonl + tb/ (loss, lr, tokens/s, eval pass@1),
 checkpoints/<step>/ and checkpoints/last/ (model.safetensors, config.json, tokenizer files,
