@@ -29,6 +29,7 @@ import argparse
 import itertools
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -92,6 +93,7 @@ def run(args) -> dict:
     from embodied_rl.algos.ppo import PPOConfig, collect_ppo, make_ppo_actor
     from embodied_rl.commands.finetune import load_base_policy
     from embodied_rl.config import compose
+    from embodied_rl.errors import UserError
     from embodied_rl.eval.evaluate import evaluate
     from embodied_rl.policies.runner import ObsHistory, map_obs
 
@@ -102,7 +104,7 @@ def run(args) -> dict:
     cfg = compose("finetune", overrides)
     algo = PPOConfig.from_cfg(cfg.algo)
     if algo.group_size > 1:
-        raise SystemExit("gradient_signal measures the critic-based PPO family; GRPO's groups are another estimator")
+        raise UserError("gradient_signal measures the critic-based PPO family; GRPO's groups are another estimator")
     policy = load_base_policy(Path(args.checkpoint), "cpu")
 
     def make_env(seed: int):
@@ -113,7 +115,7 @@ def run(args) -> dict:
     if args.agent != "none":
         unexpected = actor.load_state_dict(load_agent_tensors(args.agent), strict=False).unexpected_keys
         if unexpected:
-            raise SystemExit(f"--agent {args.agent} is not a {args.algo} agent (unexpected weights: {unexpected[:3]})")
+            raise UserError(f"--agent {args.agent} is not a {args.algo} agent (unexpected weights: {unexpected[:3]})")
     actor.eval()
     params = actor.actor_parameters()
     rewards = reward_settings(cfg)
@@ -187,5 +189,16 @@ def run(args) -> dict:
     return result
 
 
+def main() -> int:
+    from embodied_rl.errors import UserError
+
+    try:
+        print(json.dumps(run(parse_args())))
+    except UserError as error:  # bad input: one line, exit 2, as the CLI
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    print(json.dumps(run(parse_args())))
+    sys.exit(main())

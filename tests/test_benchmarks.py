@@ -470,3 +470,13 @@ def _tiny_flow_checkpoint(tmp_path):
                          num_inference_steps=2, task="reach", backbone_kwargs=dict(hidden_dim=16, num_blocks=1, time_dim=8))
     save_policy(policy, tmp_path / "flow")
     return tmp_path / "flow"
+
+
+def test_gradient_signal_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    bench = load_benchmark("gradient_signal")
+    checkpoint = _tiny_flow_checkpoint(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["gradient_signal.py", "--checkpoint", str(checkpoint), "--task", "reach",
+                                      "--set", "algo.no_such_key=1"])
+    assert bench.main() == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no_such_key" in err
