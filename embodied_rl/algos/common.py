@@ -176,6 +176,36 @@ def training_reward(reward: torch.Tensor, info: dict[str, Any], sparse: bool) ->
     return info["success"].float() if sparse else reward.float()
 
 
+class PotentialShaping:
+    """Potential-based shaping (Ng et al. 1999) with the env reward as the potential:
+    r_t += coef * (gamma * phi_{t+1} - phi_t), where phi_{t+1} is the env reward of step t (for
+    push_t: the coverage of the state reached). It leaves the optimal policy unchanged but pays
+    progress at every step, and standing still costs (1 - gamma) * phi, so unlike the raw dense
+    reward it never pays to hover near the goal. The first step of an episode gets no shaping
+    (the potential of its initial state is unknown). Per-step actors only: PPO's residual and
+    residual TD3/SAC (`algo.reward_shaping`), added to the sparse success reward."""
+
+    def __init__(self, coef: float, gamma: float):
+        self.coef, self.gamma = coef, gamma
+        self.previous: torch.Tensor | None = None  # phi of the current state, per env
+        self.fresh: torch.Tensor | None = None  # envs at the first step of an episode
+
+    def __call__(self, env_reward: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+        if self.previous is None:
+            self.previous, self.fresh = env_reward.clone(), torch.ones_like(done)
+        shaping = self.coef * (self.gamma * env_reward - self.previous)
+        shaping = torch.where(self.fresh, torch.zeros_like(shaping), shaping)
+        self.previous, self.fresh = env_reward.clone(), done.clone()
+        return shaping
+
+    def state(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """What a checkpoint's loop state keeps (the potential and the fresh flags per env)."""
+        return self.previous, self.fresh
+
+    def load_state(self, state: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
+        self.previous, self.fresh = state
+
+
 # ---------------------------------------------------------------------------------------------
 # RNG state
 # ---------------------------------------------------------------------------------------------

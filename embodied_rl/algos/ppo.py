@@ -44,6 +44,7 @@ from embodied_rl.algos.common import (
     AlgoConfig,
     EnvEvaluation,
     FinetuneLoop,
+    PotentialShaping,
     env_snapshot,
     reward_settings,
     training_reward,
@@ -62,28 +63,6 @@ def _stack(items: list[dict[str, Any]]) -> dict[str, Any]:
 def _flat(x: Obs) -> Obs:
     """[T, N, ...] -> [T * N, ...] (each entry of a dict observation)."""
     return map_obs(lambda t: t.reshape(-1, *t.shape[2:]), x)
-
-
-class PotentialShaping:
-    """Potential-based shaping (Ng et al. 1999) with the env reward as the potential:
-    r_t += coef * (gamma * phi_{t+1} - phi_t), where phi_{t+1} is the env reward of step t (for
-    push_t: the coverage of the state reached). It leaves the optimal policy unchanged but pays
-    progress at every step, and standing still costs (1 - gamma) * phi, so unlike the raw dense
-    reward it never pays to hover near the goal. The first step of an episode gets no shaping
-    (the potential of its initial state is unknown). Per-step actors only."""
-
-    def __init__(self, coef: float, gamma: float):
-        self.coef, self.gamma = coef, gamma
-        self.previous: torch.Tensor | None = None  # phi of the current state, per env
-        self.fresh: torch.Tensor | None = None  # envs at the first step of an episode
-
-    def __call__(self, env_reward: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
-        if self.previous is None:
-            self.previous, self.fresh = env_reward.clone(), torch.ones_like(done)
-        shaping = self.coef * (self.gamma * env_reward - self.previous)
-        shaping = torch.where(self.fresh, torch.zeros_like(shaping), shaping)
-        self.previous, self.fresh = env_reward.clone(), done.clone()
-        return shaping
 
 
 @dataclass(frozen=True)
@@ -302,12 +281,12 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         obs, history.buffer = map_obs(lambda o: o.to(device), saved["obs"]), saved["history"]
         actor.load_runtime_state(saved["actor"])
         if shaping is not None:
-            shaping.previous, shaping.fresh = saved["shaping"]
+            shaping.load_state(saved["shaping"])
 
     def loop_state() -> dict[str, Any]:
         state = {"env": env_snapshot(env), "obs": obs, "history": history.buffer, "actor": actor.runtime_state()}
         if shaping is not None:
-            state["shaping"] = (shaping.previous, shaping.fresh)
+            state["shaping"] = shaping.state()
         return state
 
     loop.start(f"finetune {algo.name}")

@@ -51,6 +51,7 @@ from embodied_rl.actors.residual_offpolicy import (
 from embodied_rl.algos.common import (
     EnvEvaluation,
     FinetuneLoop,
+    PotentialShaping,
     env_snapshot,
     freeze_and_seed,
     reward_settings,
@@ -126,6 +127,7 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
     exploration_noise: float
     target_noise: float
     policy_delay: int
+    reward_shaping: float      # + coef x potential-based shaping by the env reward (PotentialShaping)
     warmup_env_steps: int
     critic_only_steps: int
     reach_ramp_steps: int      # the residual's bound grows to residual_scale over these env steps (algos/wsrl.py)
@@ -153,6 +155,7 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
             ("exploration_noise", self.exploration_noise >= 0, ">= 0"),
             ("target_noise", self.target_noise >= 0, ">= 0"),
             ("policy_delay", self.policy_delay >= 1, ">= 1"),
+            ("reward_shaping", self.reward_shaping >= 0, ">= 0"),
             ("warmup_env_steps", self.warmup_env_steps >= 0, ">= 0"),
             ("critic_only_steps", self.critic_only_steps >= 0, ">= 0"),
             ("reach_ramp_steps", self.reach_ramp_steps >= 0, ">= 0"),
@@ -167,7 +170,9 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
 def validate_config(cfg: Any) -> None:
     """Called by `embodied-rl finetune` before any work."""
     config = ResidualOffPolicyConfig.from_cfg(cfg.algo)
-    reward_settings(cfg)
+    if config.reward_shaping and not reward_settings(cfg).sparse:
+        raise UserError("algo.reward_shaping adds to the sparse success reward: it needs algo.reward auto or success "
+                        "on a task with success, and the simulator's reward (not reward=model:PATH)")
     find_demo_path(cfg)  # a bad algo.data is an error
     if config.interventions == "expert" and not cfg.task.get("expert", False):
         raise UserError(f"algo.interventions=expert needs a scripted expert; task {cfg.task.name} has none")
@@ -306,6 +311,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     distributed.seed_rank(seed)  # the ranks explore and sample their replay with different noise
     warm_start = WarmStart(algo.warmup_env_steps, algo.critic_only_steps, algo.reach_ramp_steps)
     rewards = reward_settings(cfg)
+    shaping = PotentialShaping(algo.reward_shaping, algo.gamma) if algo.reward_shaping else None
     shapes = {"obs": (obs_dim,), "base": (action_dim,), "action": (action_dim,), "reward": (), "discount": (),
               "next_obs": (obs_dim,), "next_base": (action_dim,)}
     replay = Replay(algo.buffer_size, shapes, device)
@@ -352,6 +358,8 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         env.set_state(saved["env"])
         obs, base, window = saved["obs"], saved["base"], saved["window"]
         queue.load_state_dict(saved["queue"])
+        if shaping is not None:
+            shaping.load_state(saved["shaping"])
     if saved is not None:
         demo_generator.set_state(saved["demo_generator"])
         budget.load_state_dict(saved["pending_updates"])
@@ -364,7 +372,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         return {"env": env_snapshot(env), "obs": obs, "base": base, "window": window, "queue": queue.state_dict(),
                 "demo_generator": demo_generator.get_state(), "pending_updates": budget.state_dict(),
                 "replay": {"online": replay.state_dict(), "intervened": intervened.state_dict()},
-                **takeover.state_dict()}
+                **takeover.state_dict(), **({"shaping": shaping.state()} if shaping is not None else {})}
 
     loop.start(f"finetune {algo.name}")
     while loop.env_steps < loop.total_env_steps:
@@ -380,8 +388,11 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         bootstrap_base = queue.peek(final_obs, done)  # what the base policy would do at final_obs
         queue.reset(done.cpu())
         next_base = queue.act(next_obs)
+        train_reward = training_reward(reward, info, rewards.sparse)
+        if shaping is not None:
+            train_reward = train_reward + shaping(reward, done)
         window.append({"obs": obs_features, "base": base, "action": action,
-                       "reward": training_reward(reward, info, rewards.sparse), "terminated": terminated,
+                       "reward": train_reward, "terminated": terminated,
                        "truncated": truncated, "next_obs": features(final_obs),
                        "next_base": torch.where(done[:, None], bootstrap_base, next_base), "driven": takeover.driven})
         if len(window) == algo.n_step:  # the oldest step now has its n-step return

@@ -119,7 +119,7 @@ def test_grpo_groups_share_initial_states_and_filter_constant_groups():
 
 
 def test_potential_shaping_pays_progress_and_skips_the_first_step_of_an_episode():
-    from embodied_rl.algos.ppo import PotentialShaping
+    from embodied_rl.algos.common import PotentialShaping
 
     shaping = PotentialShaping(coef=2.0, gamma=0.5)
     no, yes = torch.tensor([False]), torch.tensor([True])

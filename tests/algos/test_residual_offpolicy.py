@@ -229,3 +229,28 @@ def test_residual_penalty_keeps_the_residual_small(tmp_path, actor):
 
     free, penalised = mean_residual(0.0), mean_residual(100.0)
     assert penalised < 0.5 * free
+
+
+def test_reward_shaping_adds_potential_based_shaping_and_resumes(tmp_path):
+    """algo.reward_shaping: the replay's n-step returns carry the shaping (negative where the
+    env reward fell, which a 0/1 success reward never is) and its per-env state is checkpointed."""
+    cfg = sac_cfg(tmp_path, learner="td3", reward_shaping=1.0, warmup_env_steps=8, critic_only_steps=8)
+    cfg.env_steps = 120
+    run_finetune(cfg)
+    state_dir = tmp_path / "run" / "checkpoints" / "last" / "training_state"
+    loop_state = torch.load(state_dir / "state.pt", weights_only=True)["loop"]
+    previous, fresh = loop_state["shaping"]
+    assert previous.shape == (4,) and fresh.dtype == torch.bool
+    rewards = torch.load(state_dir / "replay.pt", weights_only=True)["online"]["data"]["reward"]
+    assert (rewards < 0).any()
+    cfg.env_steps = 200
+    headline, _ = run_finetune(cfg)
+    assert headline["env_steps"] == 200
+
+
+def test_reward_shaping_needs_the_success_reward(tmp_path):
+    from embodied_rl.algos.residual_offpolicy import validate_config
+    from embodied_rl.errors import UserError
+
+    with pytest.raises(UserError, match="reward_shaping"):
+        validate_config(sac_cfg(tmp_path, reward_shaping=0.1, reward="env"))
