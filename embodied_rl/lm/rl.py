@@ -1,11 +1,18 @@
-"""`embodied-rl finetune task=lm/<name> checkpoint=DIR algo=grpo|rloo|reinforce_pp|ppo`: RL with
-a verifiable reward on token sequences, every advantage and loss from embodied_rl.core.
+"""`embodied-rl finetune task=lm/<name> checkpoint=DIR algo=grpo|scaf_grpo|rloo|reinforce_pp|ppo`:
+RL with a verifiable reward on token sequences, every advantage and loss from embodied_rl.core.
 
 One iteration (hyperparameters: the task config's `lm.rl` section, `RLConfig`):
 1. sample `group_size` completions (temperature, KV cache) for each of `prompts` training problems;
    score each completion with the task's reward (1 correct, 0 otherwise);
 2. dynamic sampling (DAPO, optional): drop groups whose rewards are all equal (they carry no
    signal) and sample new problems, up to `max_refills` more rounds;
+   scaf_grpo (Scaf-GRPO, Zhang et al. 2025) instead scaffolds the groups whose completions all
+   failed, once the first `hint_after` share of the run (its guidance-exemption period) is over:
+   `hint_samples` completions per such problem under the task's tier-1 hint, then tier 2, ...
+   until one succeeds (`scaffold`); that completion, with its hinted prompt, replaces one failed
+   completion of the group, so the group has an advantage again. Its log-probs, old and new,
+   are taken under the hinted prompt it was sampled from (the paper's on-policy form). Held-out
+   evaluation never shows a hint;
 3. recompute the old log-probs with the current weights (so the ratio is exactly 1 at the first
    minibatch), the frozen reference's log-probs when kl_coef > 0, and ppo's values;
 4. token rewards `[B, L]`: the score on each row's last valid token, minus kl_coef * KL per token
@@ -84,6 +91,8 @@ class RLConfig:
     eval_every: int
     eval_problems: int
     checkpoint_every: int
+    hint_after: float
+    hint_samples: int
 
     @classmethod
     def from_cfg(cls, algo: str, rl: Any) -> RLConfig:
@@ -116,7 +125,7 @@ class RLConfig:
             raise UserError(f"algo={self.algo} does not apply to language tasks (choose from: {', '.join(ADVANTAGES)})")
         for name, low in (("steps", 1), ("prompts", 1), ("group_size", 1), ("update_epochs", 1), ("minibatches", 1),
                           ("max_refills", 0), ("log_every", 1), ("eval_every", 0), ("eval_problems", 1),
-                          ("checkpoint_every", 0)):
+                          ("checkpoint_every", 0), ("hint_samples", 1)):
             integer(name, low)
         for name in ("temperature", "lr", "critic_lr", "max_grad_norm"):
             number(name, 0.0, strict=True)
@@ -124,7 +133,7 @@ class RLConfig:
             number(name, 0.0)
         number("value_clip", 0.0, allow_none=True)
         number("dual_clip", 1.0, allow_none=True, strict=True)
-        for name in ("gamma", "lam"):
+        for name in ("gamma", "lam", "hint_after"):
             number(name, 0.0)
             if getattr(self, name) > 1:
                 raise UserError(f"lm.rl.{name} must be in [0, 1], got {getattr(self, name)}")
@@ -135,7 +144,10 @@ class RLConfig:
             raise UserError(f"lm.rl.loss_agg must be one of {', '.join(AGG_MODES)}, got {self.loss_agg!r}")
         if self.kl_kind not in KL_KINDS:
             raise UserError(f"lm.rl.kl_kind must be one of {', '.join(KL_KINDS)}, got {self.kl_kind!r}")
-        if self.algo in ("grpo", "rloo") and self.group_size < 2:
+        if self.algo == "scaf_grpo" and self.dynamic_sampling:
+            raise UserError("lm.rl.dynamic_sampling drops the groups whose completions all fail; algo=scaf_grpo "
+                            "scaffolds them with hints: use one or the other")
+        if self.algo in ("grpo", "scaf_grpo", "rloo") and self.group_size < 2:
             raise UserError(f"lm.rl.group_size must be >= 2 for algo={self.algo} (advantages compare a group)")
         if self.prompts * self.group_size < self.minibatches:
             raise UserError(f"lm.rl.minibatches={self.minibatches} is more than the {self.prompts * self.group_size} "
@@ -227,10 +239,11 @@ def informative_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def group_relative(config: RLConfig, token_rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor,
                    values: torch.Tensor | None) -> tuple[torch.Tensor, None]:
-    """grpo / rloo: each row's score against its group's, broadcast over the row."""
+    """grpo / scaf_grpo / rloo: each row's score against its group's, broadcast over the row."""
     valid = mask.to(token_rewards.dtype)
     scores = (token_rewards * valid).sum(1)
-    advantages = core.group_advantages(scores, group_ids, method=config.algo, normalize_std=config.normalize_std)
+    method = "rloo" if config.algo == "rloo" else "grpo"
+    advantages = core.group_advantages(scores, group_ids, method=method, normalize_std=config.normalize_std)
     return advantages[:, None] * valid, None
 
 
@@ -249,7 +262,7 @@ def whitened_gae(config: RLConfig, token_rewards: torch.Tensor, mask: torch.Tens
 
 
 # algo -> its advantage estimator; the keys are the language algorithms
-ADVANTAGES = {"grpo": group_relative, "rloo": group_relative, "reinforce_pp": whitened_returns, "ppo": whitened_gae}
+ADVANTAGES = {"grpo": group_relative, "scaf_grpo": group_relative, "rloo": group_relative, "reinforce_pp": whitened_returns, "ppo": whitened_gae}
 
 
 def compute_advantages(config: RLConfig, token_rewards: torch.Tensor, mask: torch.Tensor,
@@ -304,6 +317,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     from embodied_rl.runs import check_previous_run, start_run
 
     task = make_task(cfg.task)
+    if config.algo == "scaf_grpo" and task.hint_tiers == 0:
+        raise UserError(f"algo=scaf_grpo needs a task with hints; {task.name} has none")
     device, seed = str(cfg.device), int(cfg.seed)
     base = resolve_model_dir(Path(str(cfg.checkpoint)).expanduser())
     check_checkpoint_task(base, task.name)
@@ -359,8 +374,10 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         loop.start(f"finetune {config.algo}")
         while loop.step < loop.total:
             loop.advance(1)  # counted before the update, so a divergence in it names this iteration's step
+            # scaf_grpo: hints only after its guidance-exemption period (the first hint_after of the run)
+            hints = config.algo == "scaf_grpo" and loop.step > config.hint_after * config.steps
             metrics = iteration(config, model, tokenizer, task, draw, reference, critic, optimizer, critic_optimizer,
-                                generator, max_new_tokens, loop.check_finite)
+                                generator, max_new_tokens, loop.check_finite, hints)
             loop.bar.set_postfix(reward=f"{metrics['train/reward']:.3f}")
             window.append(metrics)
             if loop.log(window_mean(window), force=loop.step == loop.total):
@@ -437,10 +454,11 @@ def window_mean(rows: list[dict[str, float]]) -> dict[str, float]:
 
 def iteration(config: RLConfig, model: Any, tokenizer: Any, task: Any, draw: Any, reference: Any, critic: Any,
               optimizer: Any, critic_optimizer: Any, generator: torch.Generator, max_new_tokens: int,
-              check_finite: Any) -> dict[str, float]:
+              check_finite: Any, hints: bool = False) -> dict[str, float]:
     """Sample, score, compute advantages and update once; returns the iteration's metrics. The
     loss and the gradient norm go through `check_finite(quantity, value)` (FinetuneLoop's: a
-    non-finite one stops the run) before the update."""
+    non-finite one stops the run) before the update. `hints`: scaffold the groups that all
+    failed (scaf_grpo after its exemption period)."""
     start = time.perf_counter()
     group_size = config.group_size
     batches, scores, kept_problems = [], [], []
@@ -476,6 +494,10 @@ def iteration(config: RLConfig, model: Any, tokenizer: Any, task: Any, draw: Any
         return metrics
     samples = concat(batches, tokenizer.pad_token_id)
     score = torch.cat(scores)
+    if hints:
+        samples, score, hint_metrics = scaffold(config, model, tokenizer, task, kept_problems, samples, score,
+                                                generator, max_new_tokens)
+        metrics.update(hint_metrics)
     mask = samples.completion_mask.bool()
     valid = mask.float()
     group_ids = torch.arange(kept_groups, device=score.device).repeat_interleave(group_size)
@@ -551,6 +573,44 @@ def iteration(config: RLConfig, model: Any, tokenizer: Any, task: Any, draw: Any
         "train/iteration_s": time.perf_counter() - start,
     })
     return metrics
+
+
+def scaffold(config: RLConfig, model: Any, tokenizer: Any, task: Any, problems: list[Any], samples: Samples,
+             score: torch.Tensor, generator: torch.Generator,
+             max_new_tokens: int) -> tuple[Samples, torch.Tensor, dict[str, float]]:
+    """Scaf-GRPO's hint-guided exploration. For every group (consecutive rows of `problems`)
+    whose completions all failed: sample `hint_samples` completions under the task's hint of
+    tier 1, then of tier 2, ... until one succeeds; it replaces the group's last completion
+    (with its hinted prompt, so its log-probs are those of the policy that sampled it) and its
+    score. Returns the batch, the scores and the metrics: the share of groups that all failed
+    (`train/stuck_groups`), that a hint rescued (`train/hinted_groups`), and the mean tier of
+    the rescuing hints (`train/hint_tier`)."""
+    group_size = config.group_size
+    stuck = [g for g in range(len(problems)) if float(score[g * group_size:(g + 1) * group_size].max()) <= 0]
+    rescued: dict[int, tuple[Samples, int]] = {}  # group -> (its hinted success, one row; the tier)
+    for tier in range(1, task.hint_tiers + 1):
+        waiting = [g for g in stuck if g not in rescued]
+        if not waiting:
+            break
+        prompts = [encode_prompt(tokenizer, task.hinted_prompt(problems[g], tier))
+                   for g in waiting for _ in range(config.hint_samples)]
+        ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+        hinted = sample(model, ids, mask, max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_token_id,
+                        pad_id=tokenizer.pad_token_id, temperature=config.temperature, generator=generator)
+        for row, text in enumerate(decode_completions(tokenizer, hinted)):
+            group = waiting[row // config.hint_samples]
+            if group not in rescued and task.reward(problems[group], text) > 0:
+                rescued[group] = (select(hinted, torch.tensor([row], device=hinted.prompt_ids.device)), tier)
+    metrics = {"train/stuck_groups": len(stuck) / len(problems), "train/hinted_groups": len(rescued) / len(problems)}
+    if not rescued:
+        return samples, score, metrics
+    metrics["train/hint_tier"] = sum(tier for _, tier in rescued.values()) / len(rescued)
+    replaced = {(g + 1) * group_size - 1: success for g, (success, _) in rescued.items()}
+    rows = [replaced[r] if r in replaced else select(samples, torch.tensor([r], device=score.device))
+            for r in range(len(score))]
+    score = score.clone()
+    score[list(replaced)] = 1.0
+    return concat(rows, tokenizer.pad_token_id), score, metrics
 
 
 def write_rl_report(run: Any, task_name: str, algo: str, before: dict[str, Any] | None, after: dict[str, Any]) -> None:

@@ -4,7 +4,11 @@ examples.
 Each step draws `batch_size` training problems (a fresh deterministic stream from the seed or,
 with `lm.sft_problems=N`, epochs over a fixed set of N training problems in a new order each
 epoch: the setting where labelled answers are scarce) and minimises the cross-entropy of the
-answer tokens and the end-of-sequence token only (the prompt is context, not a target). The
+answer tokens and the end-of-sequence token only (the prompt is context, not a target). With
+`lm.sft_hints=p`, a share p of the examples shows its prompt with a hint of a random tier before
+it (`LMTask.hinted_prompt`), so that the model learns to read the hints Scaf-GRPO
+(`algo=scaf_grpo`) gives on problems it cannot solve: a model trained from scratch has never
+seen a hint otherwise (an instruction-tuned LLM reads one zero-shot). The
 model is `model=PATH` (any local Hugging Face causal LM with its tokenizer) or, by default, the
 tiny Llama of `lm.model` with the character tokenizer, trained from scratch. AdamW, linear
 warmup then cosine decay. Every `eval_every` steps and at the end the model completes
@@ -18,6 +22,7 @@ lm_task.json), eval_info.json of the final evaluation, report.md.
 from __future__ import annotations
 
 import math
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -52,6 +57,9 @@ def validate(cfg: DictConfig) -> None:
     _integer(cfg, "eval_episodes", 0)
     _integer(cfg, "lm.warmup_steps", 0)
     _integer(cfg, "lm.sft_problems", 1, allow_none=True)
+    hints = OmegaConf.select(cfg, "lm.sft_hints")
+    if not isinstance(hints, (int, float)) or isinstance(hints, bool) or not 0 <= hints <= 1:
+        raise UserError(f"lm.sft_hints must be a number in [0, 1], got {hints!r}")
     for key in ("lm.lr", "lm.weight_decay"):
         value = OmegaConf.select(cfg, key)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (key == "lm.lr" and value == 0):
@@ -64,8 +72,6 @@ def validate(cfg: DictConfig) -> None:
 
 def epochs(problems: list[Any], seed: int):
     """An endless stream over a fixed problem set: every problem once per epoch, a new order each."""
-    import random
-
     rng = random.Random(f"sft-epochs/{seed}")
     order = list(problems)
     while True:
@@ -73,12 +79,14 @@ def epochs(problems: list[Any], seed: int):
         yield from order
 
 
-def training_batch(tokenizer: Any, problems: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def training_batch(tokenizer: Any, problems: list[Any],
+                   prompts: list[str] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask, labels) [B, T], right-padded; labels are -100 except on the
-    answer tokens and the end-of-sequence token."""
+    answer tokens and the end-of-sequence token. `prompts`: the prompt text of each problem
+    (default: its own; a hinted one)."""
     rows, targets = [], []
-    for problem in problems:
-        prompt = encode_prompt(tokenizer, problem.prompt)
+    for i, problem in enumerate(problems):
+        prompt = encode_prompt(tokenizer, problem.prompt if prompts is None else prompts[i])
         answer = tokenizer.encode(problem.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
         rows.append(prompt + answer)
         targets.append([-100] * len(prompt) + answer)
@@ -161,6 +169,16 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
             raise UserError(f"lm.sft_problems={sft_problems}: {task.name}'s training split has only {len(fixed)} problems")
         stream = epochs(fixed, int(cfg.seed))
         data = f"{len(fixed)} fixed problems, {steps * batch_size / len(fixed):.1f} epochs"
+    hint_share = float(cfg.lm.sft_hints)
+    if hint_share > 0 and task.hint_tiers == 0:
+        raise UserError(f"lm.sft_hints={hint_share}: {task.name} has no hints")
+    hint_rng = random.Random(f"sft-hints/{int(cfg.seed)}")
+
+    def prompt_of(problem: Any) -> str:  # a hint of a random tier on a share hint_share of the examples
+        if hint_share > 0 and hint_rng.random() < hint_share:
+            return task.hinted_prompt(problem, hint_rng.randint(1, task.hint_tiers))
+        return problem.prompt
+
     run = start_run(cfg, "pretrain")
     print(f"{task.name}: {parameter_count(model) / 1e6:.2f}M parameters, {steps} steps of {batch_size} problems ({data})")
 
@@ -181,7 +199,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     try:
         bar = progress(range(1, steps + 1), total=steps, desc="pretrain")
         for step in bar:
-            ids, mask, labels = training_batch(tokenizer, [next(stream) for _ in range(batch_size)])
+            problems = [next(stream) for _ in range(batch_size)]
+            ids, mask, labels = training_batch(tokenizer, problems, [prompt_of(p) for p in problems])
             loss = answer_loss(model, ids.to(device), mask.to(device), labels.to(device))
             if not torch.isfinite(loss):
                 raise diverged(f"step {step}", "train/loss", saved)

@@ -10,6 +10,15 @@ answer and 0.0 for a wrong or malformed one, and never raises.
 - `lm/countdown`: "46 from 3,7,25:" -> an expression over the given numbers (each at most once,
   + - * / and parentheses) whose value is the target; parsed with `ast` and evaluated exactly
   with fractions, never with eval().
+
+Hints (Scaf-GRPO, `algo=scaf_grpo`; `lm.sft_hints` teaches a model to read them): a task has
+`hint_tiers` tiers of in-prompt hints, from the most abstract (tier 1) to the most concrete,
+each including the ones before it; `hinted_prompt(problem, tier)` puts the hint before the
+prompt, so the tokens that precede the answer are the unhinted prompt's.
+- addition: 1 the carry pattern ("c011": a carry out of each column, most significant first),
+  2 + the answer's leading digit ("s1"), 3 + all of its digits but the last ("s13").
+- countdown: 1 the first operation of the worked answer ("f3*7"), 2 + the expression's skeleton
+  with the numbers as n ("k(n*n)+n"), 3 the skeleton filled except its last number ("k(3*7)+n").
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ class LMTask:
     """Base class: `sample(rng)` draws one problem of either split; the rest is shared."""
 
     name = ""
+    hint_tiers = 0  # tiers of in-prompt hints (`hint`); 0: the task has none
 
     def __init__(self, test_percent: int = 10):
         if not isinstance(test_percent, int) or isinstance(test_percent, bool) or not 1 <= test_percent <= 50:
@@ -71,6 +81,16 @@ class LMTask:
             return float(self.score(problem, completion))
         except Exception:  # a reward must never stop training: malformed is simply wrong
             return 0.0
+
+    def hint(self, problem: Problem, tier: int) -> str:
+        """The hint of `tier` (1..hint_tiers, 1 the most abstract) for `problem`."""
+        raise NotImplementedError
+
+    def hinted_prompt(self, problem: Problem, tier: int) -> str:
+        """The prompt with the hint of `tier` before it (tier 0: the prompt itself)."""
+        if not 0 <= tier <= self.hint_tiers:
+            raise ValueError(f"{self.name} has hint tiers 1..{self.hint_tiers}, got {tier}")
+        return problem.prompt if tier == 0 else f"{self.hint(problem, tier)} {problem.prompt}"
 
     def split(self, problem: Problem) -> str:
         return split_of(f"{self.name}:{problem.key}", self.test_percent)
@@ -105,6 +125,7 @@ class AdditionTask(LMTask):
     is mostly two-digit sums, so training and evaluation would see different tasks."""
 
     name = "lm/addition"
+    hint_tiers = 3
 
     def __init__(self, digits: int = 3, min_digits: int = 1, test_percent: int = 10):
         super().__init__(test_percent)
@@ -129,6 +150,16 @@ class AdditionTask(LMTask):
             return 0.0
         return float(int(text) == problem.data["sum"])
 
+    def hint(self, problem: Problem, tier: int) -> str:
+        a, b = (int(x) for x in problem.prompt[:-1].split("+"))
+        carries, carry = [], 0
+        for column in range(len(str(max(a, b)))):  # least significant column first
+            carry = (a // 10**column % 10 + b // 10**column % 10 + carry) // 10
+            carries.append(str(carry))
+        answer = problem.answer
+        shown = {1: "", 2: answer[:1], 3: answer[:max(1, len(answer) - 1)]}[tier]
+        return f"c{''.join(reversed(carries))}" + (f" s{shown}" if shown else "")
+
 
 class CountdownTask(LMTask):
     """Reach `target` from 3-4 given numbers with + - * / (each number at most once).
@@ -138,6 +169,7 @@ class CountdownTask(LMTask):
     the worked answer."""
 
     name = "lm/countdown"
+    hint_tiers = 3
 
     def __init__(self, min_numbers: int = 3, max_numbers: int = 4, max_number: int = 20,
                  max_target: int = 100, test_percent: int = 10):
@@ -195,6 +227,40 @@ class CountdownTask(LMTask):
                 return 0.0
             available.remove(number)
         return float(value == problem.data["target"])
+
+    def hint(self, problem: Problem, tier: int) -> str:
+        tree = ast.parse(problem.answer, mode="eval").body
+        first = _first_operation(tree)
+        if tier == 1:
+            return f"f{first}"
+        numbers = [str(n) for n in _literals(tree)]
+        skeleton = problem.answer
+        for number in numbers:  # left to right: each literal becomes n
+            skeleton = skeleton.replace(number, "#", 1)
+        if tier == 2:
+            return f"f{first} k{skeleton.replace('#', 'n')}"
+        filled = skeleton
+        for number in numbers[:-1]:
+            filled = filled.replace("#", number, 1)
+        return f"k{filled.replace('#', 'n')}"
+
+
+def _first_operation(node: ast.AST) -> str:
+    """The text of the first operation evaluated (left to right) whose operands are numbers."""
+    if isinstance(node, ast.BinOp):
+        for child in (node.left, node.right):
+            if isinstance(child, ast.BinOp):
+                return _first_operation(child)
+        symbol = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}[type(node.op)]
+        return f"{node.left.value}{symbol}{node.right.value}"
+    return str(node.value)  # a single number
+
+
+def _literals(node: ast.AST) -> list[int]:
+    """The integer literals of an expression, left to right."""
+    if isinstance(node, ast.BinOp):
+        return _literals(node.left) + _literals(node.right)
+    return [node.value]
 
 
 def _matching_paren(text: str) -> int:

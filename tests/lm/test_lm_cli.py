@@ -133,8 +133,8 @@ def test_pretrain_on_a_fixed_problem_set_runs_epochs_over_it(tmp_path, capsys, m
 
     seen: list[list[str]] = []
     original = sft.training_batch
-    monkeypatch.setattr(sft, "training_batch", lambda tokenizer, problems: (
-        seen.append([p.key for p in problems]), original(tokenizer, problems))[1])
+    monkeypatch.setattr(sft, "training_batch", lambda tokenizer, problems, prompts: (
+        seen.append([p.key for p in problems]), original(tokenizer, problems, prompts))[1])
     args = ["pretrain", *TINY, "batch_size=5", "steps=4", "eval_episodes=0", "lm.sft_problems=10"]
     assert main([*args, f"run_dir={tmp_path / 'fixed'}"]) == 0
     assert "(10 fixed problems, 2.0 epochs)" in capsys.readouterr().out
