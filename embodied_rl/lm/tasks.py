@@ -122,25 +122,39 @@ class AdditionTask(LMTask):
     """a + b, each operand uniform over the integers of min_digits..digits digits. Uniform over
     the problems, not over digit counts: drawing the count first would make one-digit sums (100
     of them) a quarter of all training draws at digits=2 while the held-out set, distinct problems,
-    is mostly two-digit sums, so training and evaluation would see different tasks."""
+    is mostly two-digit sums, so training and evaluation would see different tasks.
+    `min_carries` / `max_carries` keep the problems with that many columns that carry (drawn
+    again otherwise): a difficulty dial at a fixed length (a model that learned single carries
+    may fail on chains of them; a tiny model does not generalise to more digits at all)."""
 
     name = "lm/addition"
     hint_tiers = 3
 
-    def __init__(self, digits: int = 3, min_digits: int = 1, test_percent: int = 10):
+    def __init__(self, digits: int = 3, min_digits: int = 1, min_carries: int = 0, max_carries: int | None = None,
+                 test_percent: int = 10):
         super().__init__(test_percent)
         for key, value in (("digits", digits), ("min_digits", min_digits)):
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 18:
                 raise UserError(f"task.{key} must be an integer in [1, 18], got {value!r}")
         if min_digits > digits:
             raise UserError(f"task.min_digits must be <= task.digits={digits}, got {min_digits}")
+        max_carries = digits if max_carries is None else max_carries
+        for key, value in (("min_carries", min_carries), ("max_carries", max_carries)):
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= digits:
+                raise UserError(f"task.{key} must be an integer in [0, task.digits={digits}], got {value!r}")
+        if min_carries > max_carries:
+            raise UserError(f"task.min_carries must be <= task.max_carries={max_carries}, got {min_carries}")
         self.digits, self.min_digits = digits, min_digits
+        self.min_carries, self.max_carries = min_carries, max_carries
 
     def _operand(self, rng: random.Random) -> int:
         return rng.randint(0 if self.min_digits == 1 else 10 ** (self.min_digits - 1), 10**self.digits - 1)
 
     def sample(self, rng: random.Random) -> Problem:
-        a, b = self._operand(rng), self._operand(rng)
+        while True:
+            a, b = self._operand(rng), self._operand(rng)
+            if self.min_carries <= _carries(a, b).count("1") <= self.max_carries:
+                break
         low, high = sorted((a, b))  # a+b and b+a are one problem, so they share a split
         return Problem(key=f"{low}+{high}", prompt=f"{a}+{b}=", answer=str(a + b), data={"sum": a + b})
 
@@ -152,13 +166,18 @@ class AdditionTask(LMTask):
 
     def hint(self, problem: Problem, tier: int) -> str:
         a, b = (int(x) for x in problem.prompt[:-1].split("+"))
-        carries, carry = [], 0
-        for column in range(len(str(max(a, b)))):  # least significant column first
-            carry = (a // 10**column % 10 + b // 10**column % 10 + carry) // 10
-            carries.append(str(carry))
         answer = problem.answer
         shown = {1: "", 2: answer[:1], 3: answer[:max(1, len(answer) - 1)]}[tier]
-        return f"c{''.join(reversed(carries))}" + (f" s{shown}" if shown else "")
+        return f"c{_carries(a, b)}" + (f" s{shown}" if shown else "")
+
+
+def _carries(a: int, b: int) -> str:
+    """The carry out of each column of a + b, most significant first: 47+85 -> "11"."""
+    carries, carry = [], 0
+    for column in range(len(str(max(a, b)))):  # least significant column first
+        carry = (a // 10**column % 10 + b // 10**column % 10 + carry) // 10
+        carries.append(str(carry))
+    return "".join(reversed(carries))
 
 
 class CountdownTask(LMTask):

@@ -27,6 +27,28 @@ def test_addition_hints_carry_pattern_then_leading_digits():
         task.hinted_prompt(problem, 4)
 
 
+@pytest.mark.parametrize("low, high", [(0, 1), (2, 3), (3, 3)])
+def test_addition_carry_filter_keeps_problems_with_that_many_carries(low, high):
+    task = AdditionTask(digits=3, min_digits=3, min_carries=low, max_carries=high)
+    rng = random.Random(0)
+    for _ in range(200):
+        problem = task.sample(rng)
+        carries = task.hint(problem, 1)[1:].count("1")
+        a, b = (int(x) for x in problem.prompt[:-1].split("+"))
+        columns = sum((a // 10**c % 10 + b // 10**c % 10 + (1 if c and (a % 10**c + b % 10**c) >= 10**c else 0)) >= 10
+                      for c in range(3))
+        assert low <= carries <= high and carries == columns
+
+
+def test_addition_carry_filter_bad_input():
+    from embodied_rl.errors import UserError
+
+    with pytest.raises(UserError, match="task.max_carries must be an integer in"):
+        AdditionTask(digits=2, max_carries=3)
+    with pytest.raises(UserError, match="task.min_carries must be <= task.max_carries"):
+        AdditionTask(digits=3, min_carries=2, max_carries=1)
+
+
 def test_countdown_hints_first_operation_then_skeleton():
     task = CountdownTask()
     rng = random.Random(3)
