@@ -5,8 +5,8 @@ Each step draws `batch_size` training problems (a fresh deterministic stream fro
 with `lm.sft_problems=N`, epochs over a fixed set of N training problems in a new order each
 epoch: the setting where labelled answers are scarce) and minimises the cross-entropy of the
 answer tokens and the end-of-sequence token only (the prompt is context, not a target). With
-`lm.sft_hints=p`, a share p of the examples shows its prompt with a hint of a random tier before
-it (`LMTask.hinted_prompt`), so that the model learns to read the hints Scaf-GRPO
+`lm.sft_hints=p`, a share p of the examples shows its prompt with a hint of a random tier
+(`lm.sft_hint_tier=N`: always tier N) before it (`LMTask.hinted_prompt`), so that the model learns to read the hints Scaf-GRPO
 (`algo=scaf_grpo`) gives on problems it cannot solve: a model trained from scratch has never
 seen a hint otherwise (an instruction-tuned LLM reads one zero-shot). The
 model is `model=PATH` (any local Hugging Face causal LM with its tokenizer) or, by default, the
@@ -60,6 +60,7 @@ def validate(cfg: DictConfig) -> None:
     hints = OmegaConf.select(cfg, "lm.sft_hints")
     if not isinstance(hints, (int, float)) or isinstance(hints, bool) or not 0 <= hints <= 1:
         raise UserError(f"lm.sft_hints must be a number in [0, 1], got {hints!r}")
+    _integer(cfg, "lm.sft_hint_tier", 1, allow_none=True)
     for key in ("lm.lr", "lm.weight_decay"):
         value = OmegaConf.select(cfg, key)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (key == "lm.lr" and value == 0):
@@ -172,11 +173,14 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     hint_share = float(cfg.lm.sft_hints)
     if hint_share > 0 and task.hint_tiers == 0:
         raise UserError(f"lm.sft_hints={hint_share}: {task.name} has no hints")
+    hint_tier = cfg.lm.get("sft_hint_tier")
+    if hint_tier is not None and hint_tier > task.hint_tiers:
+        raise UserError(f"lm.sft_hint_tier={hint_tier}: {task.name} has hint tiers 1..{task.hint_tiers}")
     hint_rng = random.Random(f"sft-hints/{int(cfg.seed)}")
 
-    def prompt_of(problem: Any) -> str:  # a hint of a random tier on a share hint_share of the examples
+    def prompt_of(problem: Any) -> str:  # a hint on a share hint_share of the examples
         if hint_share > 0 and hint_rng.random() < hint_share:
-            return task.hinted_prompt(problem, hint_rng.randint(1, task.hint_tiers))
+            return task.hinted_prompt(problem, hint_tier or hint_rng.randint(1, task.hint_tiers))
         return problem.prompt
 
     run = start_run(cfg, "pretrain")

@@ -129,6 +129,10 @@ def test_sft_with_hints_and_scaf_grpo_end_to_end(tmp_path, monkeypatch):
                  f"run_dir={sft_dir}"]) == 0
     hinted = [p for p in shown if p.startswith("c")]
     assert 0.4 < len(hinted) / len(shown) < 0.6 and {p.count(" ") for p in hinted} == {1, 2}
+    shown.clear()  # lm.sft_hint_tier: always that tier
+    assert main(["pretrain", *TINY, "steps=2", "batch_size=8", "eval_episodes=0", "lm.sft_hints=1", "lm.sft_hint_tier=1",
+                 f"run_dir={tmp_path / 'tier1'}"]) == 0
+    assert len(shown) == 16 and all(p.startswith("c") and p.count(" ") == 1 for p in shown)
     run_dir = tmp_path / "rl"
     assert main(["finetune", *RL, f"checkpoint={sft_dir}", "algo=scaf_grpo", "lm.rl.steps=4", "lm.rl.hint_after=0.5",
                  f"run_dir={run_dir}"]) == 0
@@ -144,6 +148,7 @@ def test_sft_with_hints_and_scaf_grpo_end_to_end(tmp_path, monkeypatch):
     (["finetune", *RL, "checkpoint=/x", "algo=scaf_grpo", "lm.rl.dynamic_sampling=true"], "use one or the other"),
     (["finetune", *RL, "checkpoint=/x", "algo=scaf_grpo", "lm.rl.hint_after=1.5"], "lm.rl.hint_after must be in [0, 1]"),
     (["pretrain", *TINY, "lm.sft_hints=2"], "lm.sft_hints must be a number in [0, 1]"),
+    (["pretrain", *TINY, "lm.sft_hints=1", "lm.sft_hint_tier=4"], "lm.sft_hint_tier=4: lm/addition has hint tiers 1..3"),
 ])
 def test_scaf_grpo_bad_input(tmp_path, capsys, args, message):
     assert main([*args, f"run_dir={tmp_path / 'run'}"]) == 2
