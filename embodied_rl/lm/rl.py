@@ -262,7 +262,8 @@ def whitened_gae(config: RLConfig, token_rewards: torch.Tensor, mask: torch.Tens
 
 
 # algo -> its advantage estimator; the keys are the language algorithms
-ADVANTAGES = {"grpo": group_relative, "scaf_grpo": group_relative, "rloo": group_relative, "reinforce_pp": whitened_returns, "ppo": whitened_gae}
+ADVANTAGES = {"grpo": group_relative, "scaf_grpo": group_relative, "rloo": group_relative,
+              "reinforce_pp": whitened_returns, "ppo": whitened_gae}
 
 
 def compute_advantages(config: RLConfig, token_rewards: torch.Tensor, mask: torch.Tensor,
