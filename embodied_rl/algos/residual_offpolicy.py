@@ -224,8 +224,9 @@ class ResidualOffPolicyLearner:
         with torch.no_grad():
             residual, _ = self.actor.sample(obs, base)
             if self.algo.learner == "td3":
-                noise = torch.randn_like(residual) * float(self.algo.exploration_noise) * self.actor.scale
-                residual = (residual + noise).clamp(-self.actor.scale, self.actor.scale)
+                full = float(self.algo.residual_scale)
+                noise = torch.randn_like(residual) * float(self.algo.exploration_noise) * full
+                residual = (residual + noise).clamp(-full, full)
         return residual
 
     def _next_action(self, obs: Tensor, base: Tensor) -> tuple[Tensor, Tensor]:

@@ -40,6 +40,20 @@ def test_a_ramped_learner_bounds_its_residual_and_saves_the_bound():
     assert learner.config["residual_scale"] == 0.1 * algo.residual_scale  # agent.json acts with this bound
 
 
+def test_a_ramped_td3_learner_explores_at_the_full_scale():
+    """The ramp bounds what the actor does, not what the critic sees: TD3's exploration noise
+    keeps its full-scale size (at 5% reach the critic would otherwise see only the BC actions
+    and give the first actor updates an extrapolated slope: peg_insert's dip)."""
+    algo = ResidualOffPolicyConfig.from_cfg(OmegaConf.load(config_dir() / "algo" / "residual_offpolicy.yaml"))
+    learner = ResidualOffPolicyLearner(algo, obs_dim=3, action_dim=2, device=torch.device("cpu"), seed=0)
+    learner.set_reach(0.05)
+    torch.manual_seed(0)
+    residual = learner.explore(torch.zeros(20000, 3), torch.zeros(20000, 2))  # the actor's own residual is 0
+    full = algo.exploration_noise * algo.residual_scale
+    assert abs(float(residual.std()) - full) < 0.05 * full
+    assert float(residual.abs().max()) <= algo.residual_scale
+
+
 def test_negative_lengths_are_user_errors():
     with pytest.raises(UserError):
         WarmStart(-1, 0)
