@@ -588,7 +588,7 @@ def scaffold(config: RLConfig, model: Any, tokenizer: Any, task: Any, problems: 
     the rescuing hints (`train/hint_tier`)."""
     group_size = config.group_size
     stuck = [g for g in range(len(problems)) if float(score[g * group_size:(g + 1) * group_size].max()) <= 0]
-    rescued: dict[int, tuple[Samples, int]] = {}  # group -> (its hinted success, one row; the tier)
+    rescued: dict[int, tuple[Samples, float, int]] = {}  # group -> (its hinted success, one row; its reward; the tier)
     for tier in range(1, task.hint_tiers + 1):
         waiting = [g for g in stuck if g not in rescued]
         if not waiting:
@@ -600,17 +600,19 @@ def scaffold(config: RLConfig, model: Any, tokenizer: Any, task: Any, problems: 
                         pad_id=tokenizer.pad_token_id, temperature=config.temperature, generator=generator)
         for row, text in enumerate(decode_completions(tokenizer, hinted)):
             group = waiting[row // config.hint_samples]
-            if group not in rescued and task.reward(problems[group], text) > 0:
-                rescued[group] = (select(hinted, torch.tensor([row], device=hinted.prompt_ids.device)), tier)
+            reward = task.reward(problems[group], text)
+            if group not in rescued and reward > 0:
+                rescued[group] = (select(hinted, torch.tensor([row], device=hinted.prompt_ids.device)), reward, tier)
     metrics = {"train/stuck_groups": len(stuck) / len(problems), "train/hinted_groups": len(rescued) / len(problems)}
     if not rescued:
         return samples, score, metrics
-    metrics["train/hint_tier"] = sum(tier for _, tier in rescued.values()) / len(rescued)
-    replaced = {(g + 1) * group_size - 1: success for g, (success, _) in rescued.items()}
-    rows = [replaced[r] if r in replaced else select(samples, torch.tensor([r], device=score.device))
+    metrics["train/hint_tier"] = sum(tier for _, _, tier in rescued.values()) / len(rescued)
+    replaced = {(g + 1) * group_size - 1: (success, reward) for g, (success, reward, _) in rescued.items()}
+    rows = [replaced[r][0] if r in replaced else select(samples, torch.tensor([r], device=score.device))
             for r in range(len(score))]
     score = score.clone()
-    score[list(replaced)] = 1.0
+    for r, (_, reward) in replaced.items():
+        score[r] = reward
     return concat(rows, tokenizer.pad_token_id), score, metrics
 
 
