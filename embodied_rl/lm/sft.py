@@ -6,9 +6,9 @@ with `lm.sft_problems=N`, epochs over a fixed set of N training problems in a ne
 epoch: the setting where labelled answers are scarce) and minimises the cross-entropy of the
 answer tokens and the end-of-sequence token only (the prompt is context, not a target). With
 `lm.sft_hints=p`, a share p of the examples shows its prompt with a hint of a random tier
-(`lm.sft_hint_tier=N`: always tier N) before it (`LMTask.hinted_prompt`), so that the model learns to read the hints Scaf-GRPO
-(`algo=scaf_grpo`) gives on problems it cannot solve: a model trained from scratch has never
-seen a hint otherwise (an instruction-tuned LLM reads one zero-shot). The
+(`lm.sft_hint_tier=N`: always tier N) before it (`LMTask.hinted_prompt`), so that the model
+learns to read the hints Scaf-GRPO (`algo=scaf_grpo`) gives on problems it cannot solve: a
+model trained from scratch has never seen a hint otherwise (an LLM reads one zero-shot). The
 model is `model=PATH` (any local Hugging Face causal LM with its tokenizer) or, by default, the
 tiny Llama of `lm.model` with the character tokenizer, trained from scratch. AdamW, linear
 warmup then cosine decay. Every `eval_every` steps and at the end the model completes
