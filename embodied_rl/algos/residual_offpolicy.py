@@ -170,7 +170,8 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
 def validate_config(cfg: Any) -> None:
     """Called by `embodied-rl finetune` before any work."""
     config = ResidualOffPolicyConfig.from_cfg(cfg.algo)
-    if config.reward_shaping and not reward_settings(cfg).sparse:
+    rewards = reward_settings(cfg)  # a bad algo.reward or reward= is an error
+    if config.reward_shaping and not rewards.sparse:
         raise UserError("algo.reward_shaping adds to the sparse success reward: it needs algo.reward auto or success "
                         "on a task with success, and the simulator's reward (not reward=model:PATH)")
     find_demo_path(cfg)  # a bad algo.data is an error

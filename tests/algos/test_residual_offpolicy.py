@@ -254,3 +254,11 @@ def test_reward_shaping_needs_the_success_reward(tmp_path):
 
     with pytest.raises(UserError, match="reward_shaping"):
         validate_config(sac_cfg(tmp_path, reward_shaping=0.1, reward="env"))
+
+
+def test_a_bad_reward_mode_is_refused_before_any_work(tmp_path):
+    from embodied_rl.algos.residual_offpolicy import validate_config
+    from embodied_rl.errors import UserError
+
+    with pytest.raises(UserError, match="algo.reward must be env, success or auto"):
+        validate_config(sac_cfg(tmp_path, reward="dense"))
