@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from embodied_rl import distributed
-from embodied_rl.algos.common import diverged, refuse_non_finite
+from embodied_rl.algos.common import cuda_in_use, diverged, refuse_non_finite
 from embodied_rl.data.windows import ChunkWindows
 from embodied_rl.policies.base import ChunkPolicy
 from embodied_rl.policies.checkpoint import write_policy_files
@@ -188,6 +188,8 @@ def train_bc(
         lr_schedule.last_epoch = done  # the optimiser state holds the learning rate of that step
         torch.set_rng_state(resume["rng"][f"torch.{distributed.rank()}"])
         generator.set_state(resume["rng"][f"generator.{distributed.rank()}"])
+        if f"cuda.{distributed.rank()}" in resume["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(resume["rng"][f"cuda.{distributed.rank()}"])
     losses: list[tuple[int, float]] = []
     evals: list[tuple[int, dict[str, Any]]] = []
     running_loss, running_count = 0.0, 0
@@ -198,11 +200,12 @@ def train_bc(
         # the ranks' weights are equal, so every rank stops here alike
         refuse_non_finite(f"step {step}", saved, weights=ema.model.state_dict(), raw_weights=policy.state_dict(),
                           optimizer=optimizer.state_dict())
-        ranks = distributed.gather_objects((torch.get_rng_state(), generator.get_state()))
+        own = [torch.get_rng_state(), generator.get_state()] + ([torch.cuda.get_rng_state()] if cuda_in_use() else [])
+        ranks = distributed.gather_objects(own)
         if not distributed.is_main():
             return
         rng = {f"{name}.{rank}": state for rank, states in enumerate(ranks)
-               for name, state in zip(("torch", "generator"), states)}
+               for name, state in zip(("torch", "generator", "cuda"), states)}
         if evaluate_fn is not None:
             metrics = evaluate_fn(ema.model, step)
             evals.append((step, metrics))

@@ -217,19 +217,30 @@ def env_snapshot(env: Any) -> dict[str, Any] | None:
     return env.get_state() if env.can_snapshot else None
 
 
+def cuda_in_use() -> bool:
+    """Whether this process has drawn on a CUDA device, whose generator is then part of its RNG state."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def rng_state() -> dict[str, Any]:
-    """Every RNG a run draws from, in a form `torch.save` + `torch.load(weights_only=True)` keep."""
+    """Every RNG a run draws from, in a form `torch.save` + `torch.load(weights_only=True)` keep:
+    on a GPU also the current CUDA device's generator (sampling noise drawn on the device)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
+    state = {
         "torch": torch.get_rng_state(),
         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                   "has_gauss": int(has_gauss), "cached": float(cached)},
         "python": json.dumps(random.getstate()),
     }
+    if cuda_in_use():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():  # a GPU run resumed on the CPU has no use for it
+        torch.cuda.set_rng_state(state["cuda"])
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
     version, internal, gauss = json.loads(state["python"])

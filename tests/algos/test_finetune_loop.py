@@ -230,3 +230,26 @@ def test_a_resumed_run_continues_exactly_as_if_never_stopped(algo, policy, extra
     trained = {key for step, row in expected.items() if step > 64 for key in row}
     assert trained & {"train/policy_loss", "train/actor_loss", "train/bc_loss"}  # the policy trains after the resume
     assert read_best(parts / "checkpoints") == read_best(whole / "checkpoints") is not None  # it knows its best
+
+
+def test_a_gpu_runs_rng_state_holds_its_cuda_generator(monkeypatch, tmp_path):
+    """On a GPU the sampling noise comes from the CUDA generator: a checkpoint's RNG state keeps it
+    and a resume restores it (without it a resumed run on an H200 diverged from the uninterrupted
+    one at its first update after the resume). No GPU here: torch.cuda's generator is stood in for."""
+    from embodied_rl.algos import common
+
+    generator = {"state": torch.tensor([1, 2, 3], dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": generator["state"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": generator.update(state=state))
+    torch.save(common.rng_state(), tmp_path / "rng.pt")
+    generator["state"] = torch.tensor([9, 9, 9], dtype=torch.uint8)  # the run drew on after the checkpoint
+    common.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert generator["state"].tolist() == [1, 2, 3]
+    # a process that never used the GPU saves no CUDA state, and restoring its state leaves the generator alone
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    state = common.rng_state()
+    assert "cuda" not in state
+    common.set_rng_state(state)
+    assert generator["state"].tolist() == [1, 2, 3]
