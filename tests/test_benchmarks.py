@@ -350,6 +350,18 @@ def test_vla_table_mt50_is_the_few_shot_protocol_with_issue_targets():
     assert targets["residual_offpolicy"]["below_bc"] == ["b"]  # 6 points below BC; 4 are tolerated
 
 
+def test_vla_table_libero_spatial_is_few_shot_with_issue_targets():
+    bench = load_benchmark("vla_table")
+    args = bench.parse_args(["--suite", "libero/libero_spatial"])
+    assert args.per_instruction == 20 and args.demos == 200  # k demos for each of the 10 tasks
+    assert args.num_envs % 10 == 0 and args.eval_envs % 10 == 0 and args.eval_episodes == 200  # 20 per task
+    assert bench.task_args(args.suite) == ["task=libero/libero_spatial"]  # LIBERO's own 220-step episodes
+    assert bench.splits(args.suite) == ("seen",)
+    goals = args.suite.targets
+    assert goals.bc_range == (0.40, 0.70)
+    assert goals.rl_target("residual_offpolicy", 0.54) == goals.rl_target("reinflow", 0.54) == 0.95
+
+
 def test_benchmark_tables_refuse_a_per_task_override(capsys):
     import pytest
 
