@@ -84,6 +84,7 @@ def policy_loss(
     clip_high: float = 0.2,
     dual_clip: float | None = 3.0,
     agg: str = "token-mean",
+    precedent_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with asymmetric bounds and dual clip (verl's "vanilla" loss).
 
@@ -91,11 +92,22 @@ def policy_loss(
     Per position: max(-A * ratio, -A * clipped_ratio); where A < 0 it is further capped at
     -A * dual_clip (dual-clip PPO, Ye et al. 2020); `dual_clip=None` turns that off.
 
+    `precedent_logp` (ReMix's mix-policy proximal policy gradient, the clipped objective of
+    GePPO, Queeney et al. 2021): the rows were sampled by an earlier policy whose log-probs are
+    `old_logp`, and the update starts from the precedent policy (`precedent_logp`, the weights
+    before this update). The trust region is then centred on the precedent's ratio
+    c = exp(precedent_logp - old_logp): the ratio is clipped to [c - clip_low, c + clip_high]
+    and the dual clip is c * dual_clip. Rows the precedent sampled itself have c = 1: the
+    plain loss.
+
     Metrics (detached scalars): `clipfrac` (share of valid positions where the clipped term
     is the larger one), `clipfrac_lower` (share where the dual clip binds), `approx_kl`
-    (masked mean of old_logp - logp, using the clamped log-ratio).
+    (masked mean of old_logp - logp, using the clamped log-ratio; with precedent_logp, of
+    precedent_logp - logp: the step from the precedent).
     """
     _check_same_shape("policy_loss", logp=logp, old_logp=old_logp, advantages=advantages, mask=mask)
+    if precedent_logp is not None:
+        _check_same_shape("policy_loss", logp=logp, precedent_logp=precedent_logp)
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"policy_loss: clip_low={clip_low} and clip_high={clip_high} must be >= 0")
     if dual_clip is not None and dual_clip <= 1.0:
@@ -105,14 +117,17 @@ def policy_loss(
 
     log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
+    centre: torch.Tensor | float = 1.0
+    if precedent_logp is not None:
+        centre = torch.exp((precedent_logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).detach()
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    clipped = -advantages * torch.clamp(ratio, centre - clip_low, centre + clip_high)
     pessimistic = torch.maximum(unclipped, clipped)
     clip_binds = clipped > unclipped
 
     if dual_clip is not None:
         # For A < 0 a huge ratio makes max(...) unbounded; cap the loss at -A * dual_clip.
-        dual_bound = -advantages * dual_clip
+        dual_bound = -advantages * (centre * dual_clip)
         negative = advantages < 0
         per_position = torch.where(negative, torch.minimum(pessimistic, dual_bound), pessimistic)
         dual_binds = negative & (pessimistic > dual_bound)
@@ -124,7 +139,8 @@ def policy_loss(
     metrics = {
         "clipfrac": agg_loss(clip_binds.to(logp.dtype), mask, "token-mean").detach(),
         "clipfrac_lower": agg_loss(dual_binds.to(logp.dtype), mask, "token-mean").detach(),
-        "approx_kl": agg_loss(-log_ratio, mask, "token-mean").detach(),
+        "approx_kl": agg_loss(-log_ratio if precedent_logp is None else precedent_logp - logp, mask,
+                              "token-mean").detach(),
     }
     return loss, metrics
 

@@ -25,6 +25,13 @@ One iteration (hyperparameters: the task config's `lm.rl` section, `RLConfig`):
 6. `update_epochs` x `minibatches` steps of `core.policy_loss` (clip_low/clip_high, dual clip,
    any `core.agg_loss` mode) + kl_coef * `core.kl_penalty` (as a loss) - ent_coef * entropy, and
    `core.value_loss` for ppo.
+ReMix (Liang et al. 2025), for every algorithm: with `reuse_iterations` m > 1 the update of step 6
+also trains on the previous m - 1 iterations' completions, kept with the log-probs and advantages
+they were sampled with (update-to-data ratio m); their clipped loss is the mix-policy one
+(`core.policy_loss` with `precedent_logp`: the trust region centred on the weights before the
+update). `kl_convex` < 1 splits the KL loss term between the base model and those weights (the
+KL-convex constraint); after `reincarnate_at` of the run the base becomes the current model,
+the replayed iterations are dropped and training goes on on-policy (policy reincarnation).
 
 The run's bookkeeping is the robot finetune's, `algos.common.FinetuneLoop`, counting iterations
 (`steps`) where robot runs count env steps: resume, checkpoints, the evaluation schedule
@@ -93,6 +100,9 @@ class RLConfig:
     checkpoint_every: int
     hint_after: float
     hint_samples: int
+    reuse_iterations: int
+    kl_convex: float
+    reincarnate_at: float
 
     @classmethod
     def from_cfg(cls, algo: str, rl: Any) -> RLConfig:
@@ -125,7 +135,7 @@ class RLConfig:
             raise UserError(f"algo={self.algo} does not apply to language tasks (choose from: {', '.join(ADVANTAGES)})")
         for name, low in (("steps", 1), ("prompts", 1), ("group_size", 1), ("update_epochs", 1), ("minibatches", 1),
                           ("max_refills", 0), ("log_every", 1), ("eval_every", 0), ("eval_problems", 1),
-                          ("checkpoint_every", 0), ("hint_samples", 1)):
+                          ("checkpoint_every", 0), ("hint_samples", 1), ("reuse_iterations", 1)):
             integer(name, low)
         for name in ("temperature", "lr", "critic_lr", "max_grad_norm"):
             number(name, 0.0, strict=True)
@@ -133,7 +143,7 @@ class RLConfig:
             number(name, 0.0)
         number("value_clip", 0.0, allow_none=True)
         number("dual_clip", 1.0, allow_none=True, strict=True)
-        for name in ("gamma", "lam", "hint_after"):
+        for name in ("gamma", "lam", "hint_after", "kl_convex", "reincarnate_at"):
             number(name, 0.0)
             if getattr(self, name) > 1:
                 raise UserError(f"lm.rl.{name} must be in [0, 1], got {getattr(self, name)}")
@@ -147,6 +157,9 @@ class RLConfig:
         if self.algo == "scaf_grpo" and self.dynamic_sampling:
             raise UserError("lm.rl.dynamic_sampling drops the groups whose completions all fail; algo=scaf_grpo "
                             "scaffolds them with hints: use one or the other")
+        if self.kl_convex < 1 and (self.kl_coef == 0 or self.kl_in_reward):
+            raise UserError(f"lm.rl.kl_convex={self.kl_convex} weighs the KL loss term between the base and the "
+                            "precedent policy: it needs lm.rl.kl_coef > 0 and lm.rl.kl_in_reward=false")
         if self.algo in ("grpo", "scaf_grpo", "rloo") and self.group_size < 2:
             raise UserError(f"lm.rl.group_size must be >= 2 for algo={self.algo} (advantages compare a group)")
         if self.prompts * self.group_size < self.minibatches:
@@ -349,6 +362,11 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     modules, optimizers = {"model": model}, {"optimizer": optimizer}
     if critic is not None:
         modules["critic"], optimizers["critic_optimizer"] = critic, critic_optimizer
+    if reference is not None and config.reincarnate_at < 1:  # after the reincarnation the base is no longer the checkpoint
+        modules["reference"] = reference
+    # ReMix: reincarnation at the first iteration past reincarnate_at of the run; on-policy after it
+    reincarnation_step = int(config.reincarnate_at * config.steps) + 1
+    history: list[dict[str, Any]] = []  # ReMix: the previous iterations' batches that the next update replays
 
     def write_model(directory: Path) -> None:  # a checkpoint's (and checkpoints/best's) files
         save_model(directory, model, tokenizer, {**task_record, "step": loop.step})
@@ -359,6 +377,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         print(f"resuming from {loop.resumed_from}")
         generator.set_state(saved["generator"])
         window = saved["window"]
+        history = [{**batch, "samples": Samples(**batch["samples"])} for batch in saved["history"]]
     stream = task.stream("train", seed)
     for _ in range(loop.counters["problems_drawn"]):  # the problems earlier iterations drew
         next(stream)
@@ -368,7 +387,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         return [next(stream) for _ in range(count)]
 
     def loop_state() -> dict[str, Any]:
-        return {"generator": generator.get_state(), "window": window}
+        replay = [{**batch, "samples": vars(batch["samples"])} for batch in history]
+        return {"generator": generator.get_state(), "window": window, "history": replay}
 
     start = time.perf_counter()
     try:
@@ -377,8 +397,13 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
             loop.advance(1)  # counted before the update, so a divergence in it names this iteration's step
             # scaf_grpo: hints only after its guidance-exemption period (the first hint_after of the run)
             hints = config.algo == "scaf_grpo" and loop.step > config.hint_after * config.steps
+            if loop.step == reincarnation_step:  # ReMix: the current model becomes the base; on-policy from here
+                if reference is not None:
+                    reference.load_state_dict(model.state_dict())
+                history.clear()
+            reuse = 1 if loop.step >= reincarnation_step else config.reuse_iterations
             metrics = iteration(config, model, tokenizer, task, draw, reference, critic, optimizer, critic_optimizer,
-                                generator, max_new_tokens, loop.check_finite, hints)
+                                generator, max_new_tokens, loop.check_finite, hints, history, reuse)
             loop.bar.set_postfix(reward=f"{metrics['train/reward']:.3f}")
             window.append(metrics)
             if loop.log(window_mean(window), force=loop.step == loop.total):
@@ -455,11 +480,14 @@ def window_mean(rows: list[dict[str, float]]) -> dict[str, float]:
 
 def iteration(config: RLConfig, model: Any, tokenizer: Any, task: Any, draw: Any, reference: Any, critic: Any,
               optimizer: Any, critic_optimizer: Any, generator: torch.Generator, max_new_tokens: int,
-              check_finite: Any, hints: bool = False) -> dict[str, float]:
+              check_finite: Any, hints: bool = False, history: list[dict[str, Any]] | None = None,
+              reuse: int = 1) -> dict[str, float]:
     """Sample, score, compute advantages and update once; returns the iteration's metrics. The
     loss and the gradient norm go through `check_finite(quantity, value)` (FinetuneLoop's: a
     non-finite one stops the run) before the update. `hints`: scaffold the groups that all
-    failed (scaf_grpo after its exemption period)."""
+    failed (scaf_grpo after its exemption period). ReMix (`reuse` > 1): the update also trains
+    on the batches in `history` (the previous iterations', as they were sampled), and this
+    iteration's batch joins `history`, which keeps the last `reuse - 1`."""
     start = time.perf_counter()
     group_size = config.group_size
     batches, scores, kept_problems = [], [], []
@@ -513,34 +541,69 @@ def iteration(config: RLConfig, model: Any, tokenizer: Any, task: Any, draw: Any
     if ref_logp is not None and config.kl_in_reward:
         token_rewards = token_rewards - config.kl_coef * core.kl_penalty(old_logp, ref_logp, config.kl_kind) * valid
     advantages, returns = compute_advantages(config, token_rewards, mask, group_ids, values)
+    metrics["train/completions"] = float(score.shape[0])
+    history = [] if history is None else history
+    replayed = history[len(history) - (reuse - 1):] if reuse > 1 else []
+    history.append({"samples": samples, "old_logp": old_logp, "advantages": advantages, "returns": returns,
+                    "values": values})
+    del history[:len(history) - (reuse - 1)]
+    # ReMix: the update's batch is this iteration's completions and the replayed ones, each row with
+    # the log-probs of the policy that sampled it (behaviour) and of the weights before this update
+    # (precedent); this iteration's rows have the two equal
+    behaviour, precedent, train_ref_logp = old_logp, old_logp, ref_logp
+    if replayed:
+        parts = history[-1:] + replayed
+        samples = concat([part["samples"] for part in parts], tokenizer.pad_token_id)
+        width = samples.completion_ids.shape[1]
+
+        def stack(key: str) -> torch.Tensor | None:
+            if parts[0][key] is None:
+                return None
+            return torch.cat([torch.nn.functional.pad(part[key], (0, width - part[key].shape[1])) for part in parts])
+
+        behaviour, advantages, returns, values = stack("old_logp"), stack("advantages"), stack("returns"), stack("values")
+        mask = samples.completion_mask.bool()
+        fresh = score.shape[0]
+        with torch.no_grad():
+            older = select(samples, torch.arange(fresh, mask.shape[0], device=mask.device))
+            precedent = torch.cat([behaviour[:fresh], completion_logprobs(model, older, temperature=config.temperature)["logp"]])
+            if reference is not None:
+                train_ref_logp = completion_logprobs(reference, samples, temperature=config.temperature)["logp"]
+        metrics["train/replayed_completions"] = float(mask.shape[0] - fresh)
 
     # ---- update ----
     model.train()
-    rows = score.shape[0]
+    rows = mask.shape[0]
     minibatch = -(-rows // config.minibatches)
     totals: dict[str, list[float]] = {}
     first_ratio_deviation = None
     for _epoch in range(config.update_epochs):
-        order = torch.randperm(rows, generator=generator, device=generator.device).to(score.device)
+        order = torch.randperm(rows, generator=generator, device=generator.device).to(mask.device)
         if config.minibatches == 1:
-            order = torch.arange(rows, device=score.device)  # one minibatch: the rows as sampled
+            order = torch.arange(rows, device=mask.device)  # one minibatch: the rows as sampled
         for begin in range(0, rows, minibatch):
             index = order[begin:begin + minibatch]
             part = select(samples, index)
             out = completion_logprobs(model, part, with_entropy=config.ent_coef > 0, temperature=config.temperature)
             part_mask = mask[index]
-            if first_ratio_deviation is None:
-                ratio = torch.exp(out["logp"].detach() - old_logp[index])
+            if first_ratio_deviation is None:  # against the weights before the update: 1 at the first minibatch
+                ratio = torch.exp(out["logp"].detach() - precedent[index])
                 first_ratio_deviation = float((ratio - 1).abs().masked_fill(~part_mask, 0).max())
-            loss, info = core.policy_loss(out["logp"], old_logp[index], advantages[index], part_mask,
+            loss, info = core.policy_loss(out["logp"], behaviour[index], advantages[index], part_mask,
                                           clip_low=config.clip_low, clip_high=config.clip_high,
-                                          dual_clip=config.dual_clip, agg=config.loss_agg)
+                                          dual_clip=config.dual_clip, agg=config.loss_agg,
+                                          precedent_logp=precedent[index] if replayed else None)
             parts = {"pg_loss": loss.detach(), **info}
-            if ref_logp is not None and not config.kl_in_reward:
-                kl = core.agg_loss(core.kl_penalty(out["logp"], ref_logp[index], config.kl_kind), part_mask,
+            if train_ref_logp is not None and not config.kl_in_reward:
+                kl = core.agg_loss(core.kl_penalty(out["logp"], train_ref_logp[index], config.kl_kind), part_mask,
                                    config.loss_agg)
-                loss = loss + config.kl_coef * kl
                 parts["kl"] = kl.detach()
+                if config.kl_convex < 1:  # ReMix's KL-convex constraint: the base and the precedent policy
+                    kl_precedent = core.agg_loss(core.kl_penalty(out["logp"], precedent[index], config.kl_kind),
+                                                 part_mask, config.loss_agg)
+                    kl = config.kl_convex * kl + (1 - config.kl_convex) * kl_precedent
+                    parts["kl_precedent"] = kl_precedent.detach()
+                loss = loss + config.kl_coef * kl
             if config.ent_coef > 0:
                 entropy = core.agg_loss(out["entropy"], part_mask, config.loss_agg)
                 loss = loss - config.ent_coef * entropy
@@ -563,8 +626,8 @@ def iteration(config: RLConfig, model: Any, tokenizer: Any, task: Any, draw: Any
             for key, value in parts.items():
                 totals.setdefault(key, []).append(float(value))
     if ref_logp is not None:
-        metrics["train/kl_to_reference"] = float(core.agg_loss(core.kl_penalty(old_logp, ref_logp, "k3"), mask,
-                                                               "token-mean"))
+        metrics["train/kl_to_reference"] = float(core.agg_loss(core.kl_penalty(old_logp, ref_logp, "k3"),
+                                                               valid.bool(), "token-mean"))
     metrics.update({f"train/{key}": sum(values_) / len(values_) for key, values_ in totals.items()})
     metrics.update({
         "train/updated": 1.0, "train/ratio_dev_first": first_ratio_deviation,

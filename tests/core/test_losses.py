@@ -177,6 +177,43 @@ def test_dual_clip_bounds_the_loss(log_ratio, advantage, dual_clip, clip_low, cl
 # ---------------------------------------------------------------- value_loss
 
 
+
+def test_mix_policy_loss_is_the_plain_loss_on_the_precedents_own_rows():
+    """ReMix on rows the precedent sampled (old_logp == precedent_logp): c = 1, the plain
+    loss, its gradient and its metrics exactly."""
+    torch.manual_seed(0)
+    old = torch.randn(4, 6) - 2
+    logp = (old + 0.3 * torch.randn(4, 6)).requires_grad_(True)
+    advantages, mask = torch.randn(4, 6), (torch.rand(4, 6) > 0.2).float()
+    plain, plain_info = policy_loss(logp, old, advantages, mask, clip_low=0.2, clip_high=0.28)
+    (plain_grad,) = torch.autograd.grad(plain, logp)
+    mixed, mixed_info = policy_loss(logp, old, advantages, mask, clip_low=0.2, clip_high=0.28, precedent_logp=old)
+    (mixed_grad,) = torch.autograd.grad(mixed, logp)
+    assert torch.equal(plain, mixed) and torch.equal(plain_grad, mixed_grad)
+    assert all(torch.equal(plain_info[key], mixed_info[key]) for key in plain_info)
+
+
+def test_mix_policy_loss_clips_around_the_precedents_ratio_by_hand():
+    """Behaviour policy 0.5, precedent 0.6, current 0.9, clip 0.2: the ratio 1.8 is clipped to
+    c + 0.2 = 1.4 (c = 0.6 / 0.5), not to 1.2 as on-policy rows are; below, 0.5 is clipped to
+    c - 0.2 = 1.0 for a negative advantage, and the dual clip caps at c * 3 = 3.6."""
+    def loss(current, advantage, **extra):
+        logp = torch.tensor([[math.log(current)]], requires_grad=True)
+        value, info = policy_loss(logp, torch.tensor([[math.log(0.5)]]), torch.tensor([[advantage]]),
+                                  torch.ones(1, 1), clip_low=0.2, clip_high=0.2, **extra)
+        (grad,) = torch.autograd.grad(value, logp)
+        return float(value.detach()), float(grad), info
+
+    precedent = {"precedent_logp": torch.tensor([[math.log(0.6)]])}
+    assert loss(0.9, 1.0, **precedent)[:2] == pytest.approx((-1.4, 0.0))  # clipped: no gradient
+    assert loss(0.9, 1.0)[0] == pytest.approx(-1.2)
+    value, grad, info = loss(0.65, 1.0, **precedent)  # inside [1.0, 1.4]: the ratio itself, and its gradient
+    assert (value, grad) == pytest.approx((-1.3, -1.3)) and float(info["clipfrac"]) == 0.0
+    assert loss(0.25, -1.0, **precedent)[:2] == pytest.approx((1.0, 0.0))  # 0.5 clipped up to 1.0
+    assert loss(2.5, -1.0, **precedent)[0] == pytest.approx(3.6)  # ratio 5 > 3.6: the dual clip
+    assert float(loss(0.9, 1.0, **precedent)[2]["approx_kl"]) == pytest.approx(math.log(0.6) - math.log(0.9))
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_value_loss_by_hand(dtype):
     values = tensor([2.0, 0.0], dtype)
