@@ -15,6 +15,13 @@ optional regulariser toward the base policy (actor.base_kl); early stop on appro
 optional linear learning-rate decay to 0 over the run (algo.anneal_lr); critic warm-up
 (value-only updates for the first iterations); advantage normalisation.
 
+ReMix (Liang et al. 2025; algo.reuse_iterations, kl_convex, reincarnate_at; docs/finetuning.md):
+each update also trains on the previous iterations' rollouts, kept with the log-probs and
+advantages they were collected with, under the mix-policy clipped loss (core.policy_loss with
+precedent_logp: the trust region of the weights before the update); the base regulariser can be
+split with a KL to those weights (KL-convex); after a share of the run the replay is dropped and
+the regulariser's anchor becomes the current actor (policy reincarnation).
+
 GRPO (algo.group_size = G > 1): groups of G envs start from the same initial state
 (env.reset(group_size=G)), each env runs one episode, and the episode return's group-relative
 advantage (core.group_advantages) is given to every step of that episode; no critic. Groups
@@ -30,6 +37,7 @@ Hyperparameters: configs/algo/{residual_ppo,dppo,reinflow,flow_sde,grpo,dsrl_ppo
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -65,6 +73,11 @@ def _flat(x: Obs) -> Obs:
     return map_obs(lambda t: t.reshape(-1, *t.shape[2:]), x)
 
 
+def _cat(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Flat batches one after another (each entry of a dict observation too)."""
+    return {key: map_obs(lambda *rows: torch.cat(rows), *[part[key] for part in parts]) for key in parts[0]}
+
+
 @dataclass(frozen=True)
 class PPOConfig(AlgoConfig):
     """configs/algo/<preset>.yaml for the PPO family (every preset extends configs/algo/_ppo.yaml,
@@ -98,6 +111,9 @@ class PPOConfig(AlgoConfig):
     norm_adv: bool
     max_grad_norm: float
     group_size: int
+    reuse_iterations: int     # ReMix: each update also trains on the previous reuse_iterations - 1 rollouts
+    kl_convex: float          # ReMix: the regulariser is kl_convex * base_kl + (1 - kl_convex) * KL to the precedent
+    reincarnate_at: int | None  # ReMix: env steps after which it goes on-policy, re-anchored; None = never
 
     def checks(self) -> list[tuple[str, bool, str]]:
         grpo = self.group_size > 1
@@ -121,6 +137,11 @@ class PPOConfig(AlgoConfig):
             ("critic_warmup_iters", self.critic_warmup_iters >= 0, ">= 0"),
             ("max_grad_norm", self.max_grad_norm > 0, "> 0"),
             ("group_size", self.group_size == 0 or self.group_size >= 2, "0 (PPO) or >= 2 (GRPO)"),
+            ("reuse_iterations", self.reuse_iterations >= 1, ">= 1 (1: on-policy)"),
+            ("kl_convex", 0.0 <= self.kl_convex <= 1.0, "in [0, 1]"),
+            ("kl_convex", self.kl_convex == 1.0 or self.base_reg_coef > 0,
+             "1 unless algo.base_reg_coef > 0 (it splits that regulariser between the base and the precedent)"),
+            ("reincarnate_at", self.reincarnate_at is None or self.reincarnate_at >= 0, ">= 0 env steps or null"),
         ]
 
 
@@ -268,7 +289,14 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
                                policy.env_options())
     loop = FinetuneLoop(cfg, run, evaluation)
     loop.counters["iteration"] = 0
-    saved = loop.resume({"actor": actor}, {"optimizer": optimizer}, actor.save)
+    modules = {"actor": actor}
+    # ReMix: the rollouts the next update replays
+    replay: list[dict[str, Any]] = []
+    anchor = None  # after the reincarnation, the regulariser's anchor: the actor as it was then
+    if algo.reincarnate_at is not None and algo.base_reg_coef > 0:
+        anchor = copy.deepcopy(actor).requires_grad_(False)
+        modules["anchor"] = anchor
+    saved = loop.resume(modules, {"optimizer": optimizer}, actor.save)
 
     # ---- the env; chunk actors see obs histories kept by HistoryEnv ----
     history = ObsHistory(actor.n_obs_steps)
@@ -282,9 +310,12 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         actor.load_runtime_state(saved["actor"])
         if shaping is not None:
             shaping.load_state(saved["shaping"])
+    if saved is not None:
+        replay = saved.get("replay_rollouts", [])  # a checkpoint written before ReMix existed has none
 
     def loop_state() -> dict[str, Any]:
-        state = {"env": env_snapshot(env), "obs": obs, "history": history.buffer, "actor": actor.runtime_state()}
+        state = {"env": env_snapshot(env), "obs": obs, "history": history.buffer, "actor": actor.runtime_state(),
+                 "replay_rollouts": replay}
         if shaping is not None:
             state["shaping"] = shaping.state()
         return state
@@ -312,10 +343,25 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         # ---- flatten [T, N] -> [B] ----
         flat = {k: _flat(v) for k, v in batch.items() if k != "stash"}
         flat_stash = {k: _flat(v) for k, v in batch["stash"].items()}
-        valid = flat["valid"].bool()
-        advantage = flat["advantage"]
         if not grpo:  # how much of the returns' variance the rollout's values explain (SB3's, CleanRL's)
             value_fit = explained_variance(flat["value"], flat["return"])
+        # ReMix: this rollout joins the replay; the update trains on it and the replayed ones. The
+        # reincarnation comes with the first rollout that starts at or after reincarnate_at env steps
+        reincarnated = algo.reincarnate_at is not None and steps_before >= algo.reincarnate_at
+        if reincarnated and steps_before - env_steps < algo.reincarnate_at:  # the current actor becomes the anchor
+            replay.clear()
+            if anchor is not None:
+                anchor.load_state_dict(actor.state_dict())
+        reuse = 1 if reincarnated else algo.reuse_iterations
+        replayed = replay[len(replay) - (reuse - 1):] if reuse > 1 else []
+        replay.append({"flat": flat, "stash": flat_stash})
+        del replay[:len(replay) - (reuse - 1)]
+        fresh = flat["logprob"].shape[0]
+        if replayed:
+            flat = _cat([flat] + [part["flat"] for part in replayed])
+            flat_stash = _cat([flat_stash] + [part["stash"] for part in replayed])
+        valid = flat["valid"].bool()
+        advantage = flat["advantage"]
         if algo.norm_adv and int(distributed.all_sum(valid.sum())) > 1:
             advantage = distributed.masked_whiten(advantage, valid) * valid  # over every rank's batch
         batch_size = flat["logprob"].shape[0]
@@ -330,6 +376,13 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
 
         # ---- update ----
         actor.train()
+        # the log-probs of the weights before this update (the precedent): the rollout's own for its rows
+        precedent = flat["logprob"]
+        if replayed:
+            with torch.no_grad():
+                older = torch.arange(fresh, batch_size, device=device)
+                older_logprob, _ = actor.evaluate(index_obs(flat["obs"], older), {k: v[older] for k, v in flat_stash.items()})
+            precedent = torch.cat([flat["logprob"][:fresh], older_logprob])
         metrics: dict[str, list[float]] = {}
         first_ratio_dev = None
         stop = False
@@ -346,14 +399,15 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
                 loss = torch.zeros((), device=device)
                 if not critic_only:
                     logprob, entropy = actor.evaluate(mb_obs, mb_stash)
-                    old_logprob = flat["logprob"][mb]
-                    if first_ratio_dev is None:
-                        first_ratio_dev = float((logprob.detach() - old_logprob).exp().sub(1).abs().max())
+                    old_logprob, mb_precedent = flat["logprob"][mb], precedent[mb]
+                    if first_ratio_dev is None:  # against the weights before the update: 1 on its first minibatch
+                        first_ratio_dev = float((logprob.detach() - mb_precedent).exp().sub(1).abs().max())
                     mb_adv = advantage[mb][:, None] * adv_weights[None]
                     pg_losses, approx_kl, clipfrac = [], [], []
                     for col, clip in enumerate(clips):
                         pg, info = core.policy_loss(logprob[:, col], old_logprob[:, col], mb_adv[:, col],
-                                                    mb_valid, clip_low=clip, clip_high=clip, dual_clip=algo.dual_clip)
+                                                    mb_valid, clip_low=clip, clip_high=clip, dual_clip=algo.dual_clip,
+                                                    precedent_logp=mb_precedent[:, col] if replayed else None)
                         pg_losses.append(pg)
                         approx_kl.append(info["approx_kl"])
                         clipfrac.append(info["clipfrac"])
@@ -363,8 +417,19 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
                     losses["entropy"] = core.agg_loss(entropy.mean(-1), mb_valid, "token-mean")
                     loss = losses["policy_loss"] - algo.ent_coef * losses["entropy"]
                     if algo.base_reg_coef > 0:
-                        losses["base_kl"] = core.agg_loss(actor.base_kl(mb_obs, mb_stash), mb_valid, "token-mean")
-                        loss = loss + algo.base_reg_coef * losses["base_kl"]
+                        if reincarnated and anchor is not None:  # the KL to the reincarnated anchor, on the rows' actions
+                            with torch.no_grad():
+                                anchor_logprob, _ = anchor.evaluate(mb_obs, mb_stash)
+                            base_kl = core.kl_penalty(logprob, anchor_logprob, "k3").mean(-1)
+                        else:
+                            base_kl = actor.base_kl(mb_obs, mb_stash)
+                        losses["base_kl"] = core.agg_loss(base_kl, mb_valid, "token-mean")
+                        regulariser = losses["base_kl"]
+                        if algo.kl_convex < 1:  # ReMix's KL-convex constraint: the base and the precedent
+                            losses["kl_precedent"] = core.agg_loss(
+                                core.kl_penalty(logprob, mb_precedent, "k3").mean(-1), mb_valid, "token-mean")
+                            regulariser = algo.kl_convex * regulariser + (1 - algo.kl_convex) * losses["kl_precedent"]
+                        loss = loss + algo.base_reg_coef * regulariser
                 if not grpo:
                     losses["value_loss"] = actor.value_loss(mb_obs, mb_stash, flat["value"][mb], flat["return"][mb],
                                                             mb_valid, algo.value_clip)
@@ -392,7 +457,8 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         log.update({"train/iteration": loop.counters["iteration"], "train/rollout_s": rollout_s,
                     "train/lr": optimizer.param_groups[0]["lr"],
                     "train/iteration_s": iteration_s, "train/sps": env_steps / iteration_s,
-                    "train/early_stop": float(stop), "train/critic_only": float(critic_only)})
+                    "train/early_stop": float(stop), "train/critic_only": float(critic_only),
+                    "train/replayed_rows": float(batch_size - fresh)})
         if first_ratio_dev is not None:
             log["train/first_minibatch_ratio_dev"] = first_ratio_dev
         if grpo:

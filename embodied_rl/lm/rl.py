@@ -30,7 +30,7 @@ also trains on the previous m - 1 iterations' completions, kept with the log-pro
 they were sampled with (update-to-data ratio m); their clipped loss is the mix-policy one
 (`core.policy_loss` with `precedent_logp`: the trust region centred on the weights before the
 update). `kl_convex` < 1 splits the KL loss term between the base model and those weights (the
-KL-convex constraint); after `reincarnate_at` of the run the base becomes the current model,
+KL-convex constraint); after iteration `reincarnate_at` the base becomes the current model,
 the replayed iterations are dropped and training goes on on-policy (policy reincarnation).
 
 The run's bookkeeping is the robot finetune's, `algos.common.FinetuneLoop`, counting iterations
@@ -102,7 +102,7 @@ class RLConfig:
     hint_samples: int
     reuse_iterations: int
     kl_convex: float
-    reincarnate_at: float
+    reincarnate_at: int | None
 
     @classmethod
     def from_cfg(cls, algo: str, rl: Any) -> RLConfig:
@@ -143,7 +143,9 @@ class RLConfig:
             number(name, 0.0)
         number("value_clip", 0.0, allow_none=True)
         number("dual_clip", 1.0, allow_none=True, strict=True)
-        for name in ("gamma", "lam", "hint_after", "kl_convex", "reincarnate_at"):
+        if self.reincarnate_at is not None:
+            integer("reincarnate_at", 0)
+        for name in ("gamma", "lam", "hint_after", "kl_convex"):
             number(name, 0.0)
             if getattr(self, name) > 1:
                 raise UserError(f"lm.rl.{name} must be in [0, 1], got {getattr(self, name)}")
@@ -362,10 +364,10 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     modules, optimizers = {"model": model}, {"optimizer": optimizer}
     if critic is not None:
         modules["critic"], optimizers["critic_optimizer"] = critic, critic_optimizer
-    if reference is not None and config.reincarnate_at < 1:  # after the reincarnation the base is no longer the checkpoint
+    if reference is not None and config.reincarnate_at is not None:  # after the reincarnation the base is another model
         modules["reference"] = reference
-    # ReMix: reincarnation at the first iteration past reincarnate_at of the run; on-policy after it
-    reincarnation_step = int(config.reincarnate_at * config.steps) + 1
+    # ReMix: reincarnation before the iteration after reincarnate_at; on-policy from it on
+    reincarnation_step = None if config.reincarnate_at is None else config.reincarnate_at + 1
     history: list[dict[str, Any]] = []  # ReMix: the previous iterations' batches that the next update replays
 
     def write_model(directory: Path) -> None:  # a checkpoint's (and checkpoints/best's) files
@@ -401,7 +403,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
                 if reference is not None:
                     reference.load_state_dict(model.state_dict())
                 history.clear()
-            reuse = 1 if loop.step >= reincarnation_step else config.reuse_iterations
+            reuse = 1 if reincarnation_step is not None and loop.step >= reincarnation_step else config.reuse_iterations
             metrics = iteration(config, model, tokenizer, task, draw, reference, critic, optimizer, critic_optimizer,
                                 generator, max_new_tokens, loop.check_finite, hints, history, reuse)
             loop.bar.set_postfix(reward=f"{metrics['train/reward']:.3f}")

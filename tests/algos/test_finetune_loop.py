@@ -188,6 +188,10 @@ RESUME_CASES = [
          "algo.reward_shaping=0", "algo.num_steps=4", "algo.actor_kwargs.hidden=16", id="residual_chunk"),
     case("dppo", "diffusion", "algo.num_steps=4"),
     case("reinflow", "flow", "algo.num_steps=4", "algo.actor_kwargs.noise_hidden=16"),
+    # ReMix: the replayed rollouts, the KL-convex regulariser and the reincarnated anchor (at 96 env
+    # steps: after the resume point) are part of the checkpoint
+    case("reinflow", "flow", "algo.num_steps=4", "algo.actor_kwargs.noise_hidden=16", "algo.reuse_iterations=3",
+         "algo.base_reg_coef=0.1", "algo.kl_convex=0.5", "algo.reincarnate_at=96", id="reinflow-remix"),
     case("flow_sde", "flow", "algo.num_steps=4"),
     case("fpo", "flow", "algo.num_steps=4", "algo.actor_kwargs.num_samples=2"),
     case("dsrl_ppo", "flow", "algo.num_steps=4", "algo.actor_kwargs.hidden=16"),
@@ -253,3 +257,26 @@ def test_a_gpu_runs_rng_state_holds_its_cuda_generator(monkeypatch, tmp_path):
     assert "cuda" not in state
     common.set_rng_state(state)
     assert generator["state"].tolist() == [1, 2, 3]
+
+
+@pytest.mark.e2e
+def test_remix_replays_recent_rollouts_until_its_reincarnation(checkpoints, tmp_path):  # noqa: F811
+    """Iterations of 16 rows (32 env steps): up to two earlier rollouts replayed, none from the
+    rollout that starts at reincarnate_at=96 env steps on; the ratio to the weights before each
+    update is 1 on its first minibatch, replayed rows or not."""
+    assert main(["finetune", "algo=reinflow", f"checkpoint={checkpoints / 'flow'}", "env_steps=192", "eval_every=0",
+                 f"run_dir={tmp_path}", *TINY, "algo.num_steps=4", "algo.actor_kwargs.noise_hidden=16",
+                 "algo.reuse_iterations=3", "algo.base_reg_coef=0.1", "algo.kl_convex=0.5",
+                 "algo.reincarnate_at=96", "algo.critic_warmup_iters=0"]) == 0
+    rows = [row for row in read_metrics(tmp_path) if "train/replayed_rows" in row]
+    assert [row["train/replayed_rows"] for row in rows] == [0, 16, 32, 0, 0, 0]
+    assert all(row["train/first_minibatch_ratio_dev"] == 0 for row in rows)
+    # at the reincarnation the anchor is the precedent: the two KLs of the regulariser agree
+    assert rows[3]["train/base_kl"] == pytest.approx(rows[3]["train/kl_precedent"])
+
+
+def test_remix_kl_convex_needs_the_base_regulariser(checkpoints, tmp_path, capsys):  # noqa: F811
+    assert main(["finetune", "algo=reinflow", f"checkpoint={checkpoints / 'flow'}", f"run_dir={tmp_path / 'r'}",
+                 *TINY, "algo.kl_convex=0.5"]) == 2
+    assert "algo.kl_convex must be 1 unless algo.base_reg_coef > 0" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

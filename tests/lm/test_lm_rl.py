@@ -43,7 +43,7 @@ def rl_config(**overrides):
                   normalize_std=True, kl_coef=0.0, kl_kind="k3", kl_in_reward=False, ent_coef=0.0,
                   dynamic_sampling=False, max_refills=0, gamma=1.0, lam=0.95, value_clip=None, max_grad_norm=1.0,
                   log_every=1, eval_every=0, eval_problems=1, checkpoint_every=0, hint_after=0.15, hint_samples=4,
-                  reuse_iterations=1, kl_convex=1.0, reincarnate_at=1.0)
+                  reuse_iterations=1, kl_convex=1.0, reincarnate_at=None)
     values.update(overrides)
     algo = values.pop("algo", "grpo")
     return RLConfig.from_cfg(algo, values)

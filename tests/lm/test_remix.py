@@ -13,7 +13,7 @@ from embodied_rl.runs import read_metrics
 from .test_lm_rl import RL, interrupt_at, metric_rows, sft_run  # noqa: F401 (sft_run: the fixture)
 
 REMIX = ["algo=grpo", "lm.rl.steps=6", "lm.rl.checkpoint_every=2", "lm.rl.reuse_iterations=3", "lm.rl.kl_coef=0.1",
-         "lm.rl.kl_convex=0.5", "lm.rl.reincarnate_at=0.5", "lm.rl.ent_coef=0.01"]
+         "lm.rl.kl_convex=0.5", "lm.rl.reincarnate_at=3", "lm.rl.ent_coef=0.01"]
 
 
 @pytest.mark.e2e
@@ -46,7 +46,7 @@ def test_an_interrupted_remix_run_resumes_as_if_never_stopped(sft_run, tmp_path,
     (["lm.rl.kl_convex=0.5"], "lm.rl.kl_convex=0.5 weighs the KL loss term"),
     (["lm.rl.kl_convex=0.5", "lm.rl.kl_coef=0.1", "lm.rl.kl_in_reward=true"], "lm.rl.kl_convex=0.5 weighs"),
     (["lm.rl.reuse_iterations=0"], "lm.rl.reuse_iterations must be an integer >= 1"),
-    (["lm.rl.reincarnate_at=1.5"], "lm.rl.reincarnate_at must be in [0, 1]"),
+    (["lm.rl.reincarnate_at=1.5"], "lm.rl.reincarnate_at must be an integer >= 0"),
 ])
 def test_remix_bad_input(sft_run, tmp_path, capsys, extra, message):  # noqa: F811
     assert main(["finetune", *RL, f"checkpoint={sft_run}", "algo=grpo", *extra, f"run_dir={tmp_path / 'run'}"]) == 2
