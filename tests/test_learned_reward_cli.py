@@ -92,6 +92,8 @@ def test_bad_learned_rewards_are_refused(reward_run, tmp_path, capsys):
     refused(tmp_path, capsys, [*finetune, "reward=oracle"], "reward must be sim or model:PATH")
     refused(tmp_path, capsys, [*finetune, f"reward=model:{reward_dir}", "learned_reward.kind=shaped"],
             "learned_reward.kind must be one of success, success_progress, got 'shaped'")
+    refused(tmp_path, capsys, [*finetune, f"reward=model:{reward_dir}", "learned_reward.hacking_gap=0"],
+            "learned_reward.hacking_gap must be in (0, 1], got 0")
     refused(tmp_path, capsys, [*finetune, f"reward=model:{tmp_path / 'none'}"], "does not exist")
     refused(tmp_path, capsys, [*finetune, f"reward=model:{reward_dir}", "algo.reward=success"],
             "leave it at auto")

@@ -583,6 +583,9 @@ class Evaluator:
 # the learned success rising while the true one falls)
 EPISODE_METRICS = {"returns": "rollout/return", "successes": "rollout/success_rate",
                    "learned_returns": "train/learned_return", "learned_successes": "train/learned_success_rate"}
+# reward=model:PATH: a logging window of at least this many training episodes whose learned success
+# rate exceeds the simulator's by learned_reward.hacking_gap is flagged as reward hacking
+HACKING_MIN_EPISODES = 20
 
 
 def _next_multiple(step: int, every: int) -> int | None:
@@ -653,6 +656,8 @@ class FinetuneLoop:
         self.checkpoint_every = int(settings["checkpoint_every"])
         self.log_every = int(settings["log_every"])
         self.save_replay = bool(settings.get("save_replay", True))
+        learned = str(settings.get("reward") or "sim").startswith("model:")
+        self.hacking_gap = float(settings["learned_reward"]["hacking_gap"]) if learned else None
         self.counters: dict[str, Any] = {counter: 0, "episodes": 0}
         self.modules: dict[str, Any] = {}
         self.optimizers: dict[str, Any] = {}
@@ -810,10 +815,32 @@ class FinetuneLoop:
             row.update({name: sum(self.window[key]) / len(self.window[key])
                         for key, name in EPISODE_METRICS.items() if self.window[key]})
             row["rollout/episodes"] = len(self.window["returns"])
+            self._flag_reward_hacking(row)
             self.window = {key: [] for key in EPISODE_METRICS}
         self.run.log(self.step, row)
         self.next_log = _next_multiple(self.step, self.log_every)
         return True
+
+    def _flag_reward_hacking(self, row: dict[str, Any]) -> None:
+        """reward=model:PATH: the learned success rate of the window's training episodes minus the
+        simulator's (`train/reward_gap`); at least hacking_gap over HACKING_MIN_EPISODES episodes is
+        flagged (`train/reward_hacking`, a warning the first time, the headline's `reward_hacking`)."""
+        learned = self.window["learned_successes"]
+        if self.hacking_gap is None or len(learned) < HACKING_MIN_EPISODES:
+            return
+        gap = row["train/learned_success_rate"] - row["rollout/success_rate"]
+        row["train/reward_gap"] = gap
+        if gap < self.hacking_gap:
+            return
+        row["train/reward_hacking"] = 1.0
+        if not self.counters.get("hacking_windows"):
+            self.counters["hacking_first_step"] = self.step
+            if distributed.is_main():
+                print(f"warning: reward hacking? at {self.unit} {self.step} the reward model paid a success in "
+                      f"{row['train/learned_success_rate']:.0%} of {len(learned)} training episodes, the simulator "
+                      f"saw {row['rollout/success_rate']:.0%} (train/reward_gap; report.md plots both)",
+                      file=sys.stderr, flush=True)
+        self.counters["hacking_windows"] = self.counters.get("hacking_windows", 0) + 1
 
     def boundary(self, loop_state: Callable[[], dict[str, Any]]) -> None:
         """Where the loop may stop and resume: evaluate when eval_every is due and checkpoint when
@@ -904,4 +931,8 @@ class FinetuneLoop:
         if self.best is not None:
             headline["best"] = self.best
             headline["best_checkpoint"] = str(self.run.file("checkpoints", BEST))
+        if self.counters.get("hacking_windows"):
+            headline["reward_hacking"] = (f"the learned success exceeded the simulator's by >= {self.hacking_gap:.0%} "
+                                          f"in {self.counters['hacking_windows']} logging windows, first at "
+                                          f"{self.unit} {self.counters['hacking_first_step']} (train/reward_gap)")
         return headline

@@ -82,6 +82,8 @@ class LearnedReward:
             raise UserError(f"learned_reward.threshold must be in (0, 1), got {threshold}")
         if gain < 0.0 or not 0.0 <= cap < 1.0:
             raise UserError(f"learned_reward.progress_gain must be >= 0 and progress_cap in [0, 1), got {gain}, {cap}")
+        if not 0.0 < float(options.hacking_gap) <= 1.0:
+            raise UserError(f"learned_reward.hacking_gap must be in (0, 1], got {options.hacking_gap}")
         task = task_class(cfg.task.name)
         if not task.camera:
             raise UserError(f"task '{cfg.task.name}' renders no camera frames, so a reward model cannot judge it")

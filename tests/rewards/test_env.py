@@ -82,3 +82,41 @@ def test_a_pixel_policy_keeps_the_frames_and_a_snapshot_restores_the_sums():
     again = [env.step(torch.full((3, 2), 0.1))[1] for _ in range(2)]
     for a, b in zip(after, again):
         torch.testing.assert_close(a, b)
+
+
+def test_reward_hacking_is_flagged_where_the_learned_success_outruns_the_simulators(capsys):
+    """A logging window of >= 20 training episodes whose learned success rate exceeds the
+    simulator's by learned_reward.hacking_gap is flagged: train/reward_gap and
+    train/reward_hacking in its row, one warning, and the headline's reward_hacking."""
+    from embodied_rl.algos.common import FinetuneLoop
+
+    class Run:
+        rows: list = []
+
+        def log(self, step, row):
+            self.rows.append(row)
+
+    settings = {"env_steps": 100, "eval_every": 0, "checkpoint_every": 0, "log_every": 10, "reward": "model:stub",
+                "learned_reward": {"hacking_gap": 0.25}}
+    loop = FinetuneLoop(settings, Run(), evaluation=None)
+
+    def window(true_successes, learned_successes, episodes=20):
+        loop.counters["env_steps"] += 10
+        loop.record_episodes([0.0] * episodes, [1.0] * true_successes + [0.0] * (episodes - true_successes),
+                             [0.0] * episodes, [1.0] * learned_successes + [0.0] * (episodes - learned_successes))
+        loop.log({}, force=True)
+        return Run.rows[-1]
+
+    assert window(8, 10)["train/reward_gap"] == pytest.approx(0.1)  # paid a little more: not flagged
+    assert "train/reward_hacking" not in Run.rows[-1] and capsys.readouterr().err == ""
+    assert window(6, 18)["train/reward_hacking"] == 1.0  # 90% paid, 30% true
+    assert window(4, 19)["train/reward_hacking"] == 1.0
+    assert "train/reward_gap" not in window(0, 10, episodes=10)  # too few episodes to judge
+    err = capsys.readouterr().err
+    assert err.count("warning: reward hacking?") == 1 and "at env step 20 the reward model paid a success in 90%" in err
+    assert loop.counters["hacking_windows"] == 2 and loop.counters["hacking_first_step"] == 20
+    # without a learned reward nothing is computed
+    plain = FinetuneLoop({**settings, "reward": "sim"}, Run(), evaluation=None)
+    plain.record_episodes([0.0] * 20, [0.0] * 20)
+    plain.log({}, force=True)
+    assert "train/reward_gap" not in Run.rows[-1]
