@@ -19,8 +19,8 @@ ReMix (Liang et al. 2025; algo.reuse_iterations, kl_convex, reincarnate_at; docs
 each update also trains on the previous iterations' rollouts, kept with the log-probs and
 advantages they were collected with, under the mix-policy clipped loss (core.policy_loss with
 precedent_logp: the trust region of the weights before the update); the base regulariser can be
-split with a KL to those weights (KL-convex); after a share of the run the replay is dropped and
-the regulariser's anchor becomes the current actor (policy reincarnation).
+split with a KL to those weights (KL-convex); from algo.reincarnate_at env steps on the replay is
+dropped and the regulariser's anchor becomes the actor of that moment (policy reincarnation).
 
 GRPO (algo.group_size = G > 1): groups of G envs start from the same initial state
 (env.reset(group_size=G)), each env runs one episode, and the episode return's group-relative

@@ -379,7 +379,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         print(f"resuming from {loop.resumed_from}")
         generator.set_state(saved["generator"])
         window = saved["window"]
-        history = [{**batch, "samples": Samples(**batch["samples"])} for batch in saved["history"]]
+        history = [{**batch, "samples": Samples(**batch["samples"])} for batch in saved.get("history", [])]
     stream = task.stream("train", seed)
     for _ in range(loop.counters["problems_drawn"]):  # the problems earlier iterations drew
         next(stream)
