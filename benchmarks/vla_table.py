@@ -5,6 +5,7 @@ instruction), Meta-World MT10 / MT50 through EnvPool or LIBERO-Spatial in LIBERO
     OMP_NUM_THREADS=1 MUJOCO_GL=egl python benchmarks/vla_table.py --out runs/vla_table
     OMP_NUM_THREADS=1 MUJOCO_GL=egl python benchmarks/vla_table.py --suite metaworld/MT10 --out runs/vla_mt10
     OMP_NUM_THREADS=1 MUJOCO_GL=egl python benchmarks/vla_table.py --suite metaworld/MT50 --out runs/vla_mt50
+    OMP_NUM_THREADS=1 python benchmarks/vla_table.py --suite libero/libero_spatial --out runs/vla_libero  # setup-sim libero first
 
 metaworld/MT50 is pi_RL's few-shot protocol: k scripted demos per task (--per-instruction), one
 BC policy for the 50 tasks, then RL on all 50 at once (every batch holds envs of every task), 20
