@@ -236,6 +236,11 @@ def check_in_sync(modules: dict[str, torch.nn.Module]) -> None:
                            "on every optimiser step")
 
 
+def cuda_in_use() -> bool:
+    """Whether this process has drawn on a CUDA device, whose generator is then part of its RNG state."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def check_device(device: Any) -> None:
     """cpu, cuda or cuda:N, and CUDA only where torch can use it."""
     device = str(device)

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from embodied_rl import distributed
-from embodied_rl.algos.common import cuda_in_use, diverged, refuse_non_finite
+from embodied_rl.algos.common import diverged, refuse_non_finite
 from embodied_rl.data.windows import ChunkWindows
 from embodied_rl.policies.base import ChunkPolicy
 from embodied_rl.policies.checkpoint import write_policy_files
@@ -200,7 +200,7 @@ def train_bc(
         # the ranks' weights are equal, so every rank stops here alike
         refuse_non_finite(f"step {step}", saved, weights=ema.model.state_dict(), raw_weights=policy.state_dict(),
                           optimizer=optimizer.state_dict())
-        own = [torch.get_rng_state(), generator.get_state()] + ([torch.cuda.get_rng_state()] if cuda_in_use() else [])
+        own = [torch.get_rng_state(), generator.get_state()] + ([torch.cuda.get_rng_state()] if distributed.cuda_in_use() else [])
         ranks = distributed.gather_objects(own)
         if not distributed.is_main():
             return

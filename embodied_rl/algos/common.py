@@ -217,11 +217,6 @@ def env_snapshot(env: Any) -> dict[str, Any] | None:
     return env.get_state() if env.can_snapshot else None
 
 
-def cuda_in_use() -> bool:
-    """Whether this process has drawn on a CUDA device, whose generator is then part of its RNG state."""
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
-
-
 def rng_state() -> dict[str, Any]:
     """Every RNG a run draws from, in a form `torch.save` + `torch.load(weights_only=True)` keep:
     on a GPU also the current CUDA device's generator (sampling noise drawn on the device)."""
@@ -232,7 +227,7 @@ def rng_state() -> dict[str, Any]:
                   "has_gauss": int(has_gauss), "cached": float(cached)},
         "python": json.dumps(random.getstate()),
     }
-    if cuda_in_use():
+    if distributed.cuda_in_use():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
+from embodied_rl import distributed
 from embodied_rl.eval.stats import mean_interval, wilson_interval
 from embodied_rl.eval.video import DEFAULT_FPS, EpisodeRecorder
 
@@ -122,7 +123,7 @@ def run_round(
     have each finished one episode; return their records (episode first_episode + i for env i).
     Envs 0..videos-1 are recorded. The agent samples under a fork of the torch RNG seeded with
     `reset_seed`, so the caller's RNG state is untouched."""
-    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    cuda = [torch.cuda.current_device()] if distributed.cuda_in_use() else []
     with torch.random.fork_rng(devices=cuda):
         return _run_round(env, agent, reset_seed, first_episode, slots, videos, video_dir, video_size, fps, bar)
 

@@ -566,11 +566,14 @@ def iteration(config: RLConfig, model: Any, tokenizer: Any, task: Any, draw: Any
         behaviour, advantages, returns, values = stack("old_logp"), stack("advantages"), stack("returns"), stack("values")
         mask = samples.completion_mask.bool()
         fresh = score.shape[0]
+        # the replayed rows' log-probs under the current weights and the base; this iteration's are known
         with torch.no_grad():
             older = select(samples, torch.arange(fresh, mask.shape[0], device=mask.device))
             precedent = torch.cat([behaviour[:fresh], completion_logprobs(model, older, temperature=config.temperature)["logp"]])
             if reference is not None:
-                train_ref_logp = completion_logprobs(reference, samples, temperature=config.temperature)["logp"]
+                train_ref_logp = torch.cat([
+                    torch.nn.functional.pad(ref_logp, (0, width - ref_logp.shape[1])),
+                    completion_logprobs(reference, older, temperature=config.temperature)["logp"]])
         metrics["train/replayed_completions"] = float(mask.shape[0] - fresh)
 
     # ---- update ----
