@@ -9,9 +9,17 @@ freshly initialised policy of the default size (speed does not depend on the wei
 reports the rollout+update wall time per iteration and the ratio to DPPO K=10, measured in the
 same run. `table` fine-tunes each task's BC checkpoint per (algo, seed) in --out (finished runs
 are reused, so an interrupted table resumes) and reports BC and fine-tuned success (mean over
-seeds with a t-interval), per-seed values, env steps and wall time per run, and the env steps
-and wall time to first reach --target; `sac_scratch` rows are Stable-Baselines3 SAC from scratch.
+seeds with a t-interval), per-seed values, env steps and wall time per run, the env steps
+and wall time to first reach --target, and the deepest dip of a periodic evaluation below the
+curve's start (the BC policy on the same episodes); `sac_scratch` rows are Stable-Baselines3 SAC
+from scratch. `--figures DIR` draws each task's curves (every algo and seed) over BC's interval.
 The last line printed is one JSON object with the headline numbers.
+
+    python benchmarks/finetune_table.py curves --runs "ramp=RUN_A,RUN_B" "no ramp=RUN_C" \
+        --title peg_insert --out curves.png
+
+`curves` does the same for finetune run directories made elsewhere (`embodied-rl finetune ...
+eval_every=N`): per run its start, lowest point, dip and first step at --target, and the figure.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -99,6 +108,78 @@ def _metrics(run_dir: Path) -> list[dict]:
     return read_metrics(run_dir)
 
 
+def refuse(message: str) -> None:
+    """Bad input: one line, exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def curve(run_dir: Path) -> list[tuple[int, float]]:
+    """A finetune run's periodic evaluations: (env step, success rate), the first at step 0."""
+    if not (run_dir / "metrics.jsonl").exists():
+        return []
+    return sorted((r["step"], r["eval/success_rate"]) for r in _metrics(run_dir) if "eval/success_rate" in r)
+
+
+def dip(points: list[tuple[int, float]]) -> float:
+    """How far the lowest later evaluation falls below the first (the base policy on the same
+    episodes); 0 when none falls below it."""
+    return max([0.0] + [points[0][1] - rate for _, rate in points[1:]])
+
+
+def curve_figure(series: dict[str, list[list[tuple[int, float]]]], bc: tuple[float, float, float] | None,
+                 title: str, path: Path) -> Path:
+    """One line per run, a colour per label, and BC's success with its interval as a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4), dpi=100)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, (label, runs) in enumerate(series.items()):
+        for number, points in enumerate(runs):
+            steps, rates = zip(*points)
+            axes.plot(steps, rates, color=colours[index % len(colours)], marker="o", markersize=2, linewidth=1,
+                      label=label if number == 0 else None)
+    if bc is not None:
+        axes.axhspan(bc[1], bc[2], color="grey", alpha=0.2, label=f"BC {bc[0]:.2f} [{bc[1]:.2f}, {bc[2]:.2f}]")
+    axes.set(xlabel="env steps", ylabel="success rate", ylim=(-0.02, 1.02), title=title)
+    axes.legend(fontsize=8)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    plt.close(figure)
+    return path
+
+
+def curves(args) -> dict:
+    """Start, lowest point, dip and first step at --target of each given run, and their figure."""
+    series, rows = {}, {}
+    for entry in args.runs:
+        label, _, dirs = entry.partition("=")
+        if not dirs:
+            refuse(f"--runs {entry}: expected LABEL=RUN_DIR[,RUN_DIR...]")
+        series[label] = []
+        for run_dir in dirs.split(","):
+            points = curve(Path(run_dir))
+            if not points:
+                refuse(f"--runs {entry}: {run_dir} holds no periodic evaluations (metrics.jsonl)")
+            series[label].append(points)
+            reached = next((step for step, rate in points if rate >= args.target), None)
+            rows[run_dir] = {"label": label, "start": points[0][1], "lowest": min(rate for _, rate in points),
+                             "dip": dip(points), "steps_to_target": reached, "last": points[-1][1],
+                             "env_steps": points[-1][0]}
+    print(f"{'run':<48} {'label':<16} {'start':>6} {'lowest':>6} {'dip':>5} {'last':>5} {'to ' + format(args.target, '.0%'):>8}")
+    for run_dir, row in rows.items():
+        reached = "-" if row["steps_to_target"] is None else str(row["steps_to_target"])
+        print(f"{run_dir[-48:]:<48} {row['label'][:16]:<16} {row['start']:>6.2f} {row['lowest']:>6.2f}"
+              f" {row['dip']:>5.2f} {row['last']:>5.2f} {reached:>8}")
+    print(curve_figure(series, None, args.title, Path(args.out)))
+    return rows
+
+
 def bc_checkpoint(task: str, given: dict[str, str], root: Path, collect: list[str] = (),
                   pretrain: list[str] = ()) -> Path:
     """The task's BC checkpoint: given with --checkpoints, else collect + pretrain with the task
@@ -153,7 +234,8 @@ def finetune_run(task: str, algo: str, seed: int, checkpoint: Path, run_dir: Pat
     metrics = _metrics(run_dir / "finetune")
     evals = [r for r in metrics if "eval/success_rate" in r]
     reached = next((r for r in evals if r["eval/success_rate"] >= args.target), None)
-    return {"success": _overall(run_dir / "eval")["success_rate"],
+    points = curve(run_dir / "finetune")
+    return {"success": _overall(run_dir / "eval")["success_rate"], "curve": points, "dip": dip(points),
             "env_steps": max(r["step"] for r in metrics),
             "wall_s": [r["train/wall_s"] for r in metrics if "train/wall_s" in r][-1],  # over every resumed part
             "steps_to_target": None if reached is None else reached["step"],
@@ -192,7 +274,7 @@ def sac_scratch_run(task: str, seed: int, run_dir: Path, args) -> dict:
     info = evaluate(eval_env, Agent(), episodes=args.eval_episodes, seed=args.eval_seed, progress=False)
     eval_env.close()
     result = {"success": info["overall"]["success_rate"], "env_steps": int(model.num_timesteps), "wall_s": wall,
-              "steps_to_target": None, "wall_to_target": None}
+              "steps_to_target": None, "wall_to_target": None, "curve": [], "dip": None}
     run_dir.mkdir(parents=True, exist_ok=True)
     result_file.write_text(json.dumps(result))
     return result
@@ -213,6 +295,7 @@ def table(args) -> dict:
     root = Path(args.out)
     given = dict(entry.split("=", 1) for entry in args.checkpoints)
     rows = {}
+    figures = {}
     for task in args.tasks:
         checkpoint = bc_checkpoint(task, given, root)
         bc_dir = root / f"{task}_bc_eval"
@@ -220,6 +303,7 @@ def table(args) -> dict:
             _cli(["eval", f"task={task}", f"checkpoint={checkpoint}", f"episodes={args.eval_episodes}",
                   "videos=0", f"seed={args.eval_seed}", f"run_dir={bc_dir}"])
         bc = _overall(bc_dir)
+        series = {}
         for algo in args.algos:
             runs = []
             for seed in args.seeds:
@@ -227,6 +311,8 @@ def table(args) -> dict:
                 runs.append(sac_scratch_run(task, seed, run_dir, args) if algo == "sac_scratch"
                             else finetune_run(task, algo, seed, checkpoint, run_dir, args))
             reached = [r for r in runs if r["steps_to_target"] is not None]
+            dips = [r["dip"] for r in runs if r.get("dip") is not None]
+            series[algo] = [r["curve"] for r in runs if r.get("curve")]
             rows[f"{task}/{algo}"] = {
                 "bc": {"mean": bc["success_rate"], "ci_low": bc["success_ci95"][0], "ci_high": bc["success_ci95"][1]},
                 "finetuned": mean_interval([r["success"] for r in runs]),
@@ -236,7 +322,13 @@ def table(args) -> dict:
                 "reached_target": f"{len(reached)}/{len(runs)}",
                 "steps_to_target": (sum(r["steps_to_target"] for r in reached) / len(reached)) if reached else None,
                 "wall_to_target": (sum(r["wall_to_target"] or 0.0 for r in reached) / len(reached)) if reached else None,
+                "dip": max(dips) if dips else None,
             }
+        if args.figures and any(series.values()):
+            figures[task] = str(curve_figure({a: c for a, c in series.items() if c},
+                                             (bc["success_rate"], *bc["success_ci95"]),
+                                             f"{task}: {args.curve_episodes} episodes every {args.eval_every} env steps",
+                                             Path(args.figures) / f"{task}.png"))
 
     def fmt(s: dict) -> str:
         ci = "" if s["ci_low"] is None else f" [{s['ci_low']:.2f},{s['ci_high']:.2f}]"
@@ -245,15 +337,19 @@ def table(args) -> dict:
     print(f"\n{args.eval_episodes} evaluation episodes per number; BC: Wilson 95% interval; fine-tuned: mean over "
           f"seeds with a t 95% interval. 'to {args.target:.0%}': seeds whose periodic evaluation "
           f"({args.curve_episodes} episodes every {args.eval_every} env steps) reached it, and their mean env "
-          f"steps and training wall time to get there. wall s: training wall time per run.")
+          f"steps and training wall time to get there. wall s: training wall time per run. dip: the deepest fall of a "
+          f"periodic evaluation below the curve's first (BC on the same episodes), over seeds.")
     print(f"{'task/algo':<26} {'BC success':>18} {'fine-tuned success':>20} {'per seed':>16} {'env steps':>10}"
-          f" {'wall s':>7} {'to target':>9} {'steps':>9} {'wall s':>7}")
+          f" {'wall s':>7} {'to target':>9} {'steps':>9} {'wall s':>7} {'dip':>5}")
     for key, row in rows.items():
         seeds = " ".join(f"{v:.2f}" for v in row["finetuned_per_seed"])
         steps = "-" if row["steps_to_target"] is None else f"{row['steps_to_target']:.0f}"
         wall = "-" if row["wall_to_target"] is None else f"{row['wall_to_target']:.0f}"
+        worst = "-" if row["dip"] is None else f"{row['dip']:.2f}"
         print(f"{key:<26} {fmt(row['bc']):>18} {fmt(row['finetuned']):>20} {seeds:>16} {row['env_steps']:>10}"
-              f" {row['wall_s']:>7.0f} {row['reached_target']:>9} {steps:>9} {wall:>7}")
+              f" {row['wall_s']:>7.0f} {row['reached_target']:>9} {steps:>9} {wall:>7} {worst:>5}")
+    for path in figures.values():
+        print(path)
     return rows
 
 
@@ -281,6 +377,12 @@ def parse_args() -> argparse.Namespace:
     b.add_argument("--out", default="runs/bench", help="run directories; finished runs are reused")
     b.add_argument("--set", nargs="*", default=[],
                    help="finetune overrides: key=value for every algo, ALGO:key=value for one (dppo:algo.lr=3e-4)")
+    b.add_argument("--figures", default=None, help="directory for one curve figure per task (TASK.png)")
+    c = sub.add_parser("curves")
+    c.add_argument("--runs", nargs="+", required=True, help="LABEL=RUN_DIR[,RUN_DIR...]: finetune run directories")
+    c.add_argument("--target", type=float, default=0.9)
+    c.add_argument("--title", default="")
+    c.add_argument("--out", required=True, help="the figure (PNG)")
     args = parser.parse_args()
     try:
         for algo in getattr(args, "algos", []):
@@ -292,5 +394,5 @@ def parse_args() -> argparse.Namespace:
 
 if __name__ == "__main__":
     arguments = parse_args()
-    result = timing(arguments) if arguments.mode == "timing" else table(arguments)
+    result = {"timing": timing, "table": table, "curves": curves}[arguments.mode](arguments)
     print(json.dumps(result))

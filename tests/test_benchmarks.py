@@ -34,7 +34,7 @@ def test_finetune_table_reports_each_algo_over_seeds_and_resumes(tmp_path, capsy
     argv = ["finetune_table.py", "table", "--tasks", "reach", "--algos", "residual_ppo", "sac_scratch",
             "--seeds", "0", "1", "--env-steps", "200", "--num-envs", "4", "--eval-every", "100",
             "--curve-episodes", "4", "--eval-episodes", "4", "--target", "0.0", "--out", str(tmp_path / "out"),
-            "--checkpoints", f"reach={tmp_path / 'bc'}",
+            "--checkpoints", f"reach={tmp_path / 'bc'}", "--figures", str(tmp_path / "figures"),
             "--set", "residual_ppo:algo.num_steps=25", "algo.actor_kwargs.critic_hidden=16"]
     monkeypatch.setattr(sys, "argv", argv)
     rows = bench.table(bench.parse_args())
@@ -47,6 +47,10 @@ def test_finetune_table_reports_each_algo_over_seeds_and_resumes(tmp_path, capsy
     assert all(r["eval/train_wall_s"] >= 0 for r in curve if "eval/success_rate" in r)
     assert rows["reach/sac_scratch"]["reached_target"] == "0/2"
     assert "reach/residual_ppo" in capsys.readouterr().out
+    # the dip: how far the curve's lowest later point falls below its first, over seeds
+    points = [bench.curve(tmp_path / "out" / f"reach_residual_ppo_{seed}" / "finetune") for seed in (0, 1)]
+    assert ppo["dip"] == max(max([0.0] + [p[0][1] - rate for _, rate in p[1:]]) for p in points)
+    assert (tmp_path / "figures" / "reach.png").stat().st_size > 0
 
     # a second call reuses the finished runs instead of training again
     finished = (tmp_path / "out" / "reach_residual_ppo_0" / "eval" / "eval_info.json").stat().st_mtime
@@ -65,6 +69,29 @@ def test_finetune_table_reports_each_algo_over_seeds_and_resumes(tmp_path, capsy
     assert [r["train/wall_s"] for r in resumed if "train/wall_s" in r][-1] > first_part["wall_s"]
     assert all(r["eval/train_wall_s"] > first_part["train_wall_s"] for r in resumed if "eval/train_wall_s" in r)
     assert (tmp_path / "out" / "reach_residual_ppo_0" / "eval" / "eval_info.json").stat().st_mtime > finished
+
+
+def test_finetune_table_curves_reports_each_runs_dip_and_refuses_a_run_without_a_curve(tmp_path, capsys, monkeypatch):
+    bench = load_benchmark("finetune_table")
+    for name, rates in {"a": [0.4, 0.2, 0.95], "b": [0.5, 0.6, 0.9]}.items():
+        (tmp_path / name).mkdir()
+        rows = [{"step": 10 * i, "eval/success_rate": rate} for i, rate in enumerate(rates)]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["finetune_table.py", "curves", "--runs", f"ramp={tmp_path / 'a'},{tmp_path / 'b'}",
+            "--out", str(tmp_path / "curves.png")]
+    monkeypatch.setattr(sys, "argv", argv)
+    rows = bench.curves(bench.parse_args())
+    a, b = rows[str(tmp_path / "a")], rows[str(tmp_path / "b")]
+    assert (a["start"], a["lowest"], a["steps_to_target"]) == (0.4, 0.2, 20) and a["dip"] == pytest.approx(0.2)
+    assert b["dip"] == 0.0 and b["steps_to_target"] == 20
+    assert (tmp_path / "curves.png").stat().st_size > 0
+
+    monkeypatch.setattr(sys, "argv", ["finetune_table.py", "curves", "--runs", f"x={tmp_path / 'missing'}",
+                                      "--out", str(tmp_path / "x.png")])
+    with pytest.raises(SystemExit) as exit_info:
+        bench.curves(bench.parse_args())
+    assert exit_info.value.code == 2 and "no periodic evaluations" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
 
 
 def test_residual_sac_update_cost_grows_with_the_ensemble(capsys):
