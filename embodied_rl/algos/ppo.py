@@ -106,6 +106,7 @@ class PPOConfig(AlgoConfig):
     ent_coef: float
     vf_coef: float
     base_reg_coef: float
+    base_reg_decay_steps: int | None  # the regulariser's weight falls linearly to 0 over these env steps; None = constant
     target_kl: float | None
     critic_warmup_iters: int
     norm_adv: bool
@@ -133,6 +134,10 @@ class PPOConfig(AlgoConfig):
             ("ent_coef", self.ent_coef >= 0, ">= 0"),
             ("vf_coef", self.vf_coef >= 0, ">= 0"),
             ("base_reg_coef", self.base_reg_coef >= 0, ">= 0"),
+            ("base_reg_decay_steps", self.base_reg_decay_steps is None or self.base_reg_decay_steps > 0,
+             "> 0 env steps or null"),
+            ("base_reg_decay_steps", self.base_reg_decay_steps is None or self.base_reg_coef > 0,
+             "null unless algo.base_reg_coef > 0 (it schedules that regulariser)"),
             ("target_kl", self.target_kl is None or self.target_kl > 0, "> 0 or null"),
             ("critic_warmup_iters", self.critic_warmup_iters >= 0, ">= 0"),
             ("max_grad_norm", self.max_grad_norm > 0, "> 0"),
@@ -369,6 +374,9 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         clips = actor.clip_coefs(algo.clip)
         adv_weights = actor.advantage_weights().to(device)
         critic_only = (not grpo) and loop.counters["iteration"] < algo.critic_warmup_iters
+        base_reg = algo.base_reg_coef  # a decaying anchor holds the first updates near the base, then lets go
+        if algo.base_reg_decay_steps is not None:
+            base_reg *= max(0.0, 1.0 - steps_before / algo.base_reg_decay_steps)
         if algo.anneal_lr:  # linear decay to 0 at the last iteration (CleanRL's anneal_lr); resumes exactly
             remaining = 1.0 - loop.counters["iteration"] / iterations
             for group, initial_lr in zip(optimizer.param_groups, initial_lrs):
@@ -416,7 +424,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
                     losses["clipfrac"] = torch.stack(clipfrac).mean().detach()
                     losses["entropy"] = core.agg_loss(entropy.mean(-1), mb_valid, "token-mean")
                     loss = losses["policy_loss"] - algo.ent_coef * losses["entropy"]
-                    if algo.base_reg_coef > 0:
+                    if base_reg > 0:
                         if reincarnated and anchor is not None:  # the KL to the reincarnated anchor, on the rows' actions
                             with torch.no_grad():
                                 anchor_logprob, _ = anchor.evaluate(mb_obs, mb_stash)
@@ -429,7 +437,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
                             losses["kl_precedent"] = core.agg_loss(
                                 core.kl_penalty(logprob, mb_precedent, "k3").mean(-1), mb_valid, "token-mean")
                             regulariser = algo.kl_convex * regulariser + (1 - algo.kl_convex) * losses["kl_precedent"]
-                        loss = loss + algo.base_reg_coef * regulariser
+                        loss = loss + base_reg * regulariser
                 if not grpo:
                     losses["value_loss"] = actor.value_loss(mb_obs, mb_stash, flat["value"][mb], flat["return"][mb],
                                                             mb_valid, algo.value_clip)
@@ -455,7 +463,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         iteration_s = time.perf_counter() - iteration_start
         log = {f"train/{k}": sum(v) / len(v) for k, v in metrics.items()}
         log.update({"train/iteration": loop.counters["iteration"], "train/rollout_s": rollout_s,
-                    "train/lr": optimizer.param_groups[0]["lr"],
+                    "train/lr": optimizer.param_groups[0]["lr"], "train/base_reg_coef": base_reg,
                     "train/iteration_s": iteration_s, "train/sps": env_steps / iteration_s,
                     "train/early_stop": float(stop), "train/critic_only": float(critic_only),
                     "train/replayed_rows": float(batch_size - fresh)})

@@ -280,3 +280,23 @@ def test_remix_kl_convex_needs_the_base_regulariser(checkpoints, tmp_path, capsy
                  *TINY, "algo.kl_convex=0.5"]) == 2
     assert "algo.kl_convex must be 1 unless algo.base_reg_coef > 0" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.e2e
+def test_a_decaying_anchor_falls_linearly_to_zero(checkpoints, tmp_path):  # noqa: F811
+    """base_reg_decay_steps: the regulariser's weight at each update is base_reg_coef times the share
+    of the decay left at the rollout's start (32 env steps per iteration here), then 0."""
+    assert main(["finetune", f"checkpoint={checkpoints / 'flow'}", "env_steps=128", "eval_every=0",
+                 f"run_dir={tmp_path}", *TINY, *RESIDUAL, "algo.base_reg_coef=0.5", "algo.base_reg_decay_steps=64",
+                 "algo.critic_warmup_iters=0"]) == 0
+    rows = [row for row in read_metrics(tmp_path) if "train/base_reg_coef" in row]
+    assert [row["train/base_reg_coef"] for row in rows] == [0.5, 0.25, 0.0, 0.0]
+    assert rows[1]["train/base_kl"] > 0  # the residual actor's KL to its base (a zero residual), while it weighs
+    assert "train/base_kl" not in rows[2]
+
+
+def test_a_decay_needs_the_regulariser_it_schedules(checkpoints, tmp_path, capsys):  # noqa: F811
+    assert main(["finetune", f"checkpoint={checkpoints / 'flow'}", f"run_dir={tmp_path / 'r'}", *TINY,
+                 "algo.base_reg_decay_steps=1000"]) == 2
+    assert "algo.base_reg_decay_steps must be null unless algo.base_reg_coef > 0" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
