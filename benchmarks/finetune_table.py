@@ -176,7 +176,12 @@ def curves(args) -> dict:
         reached = "-" if row["steps_to_target"] is None else str(row["steps_to_target"])
         print(f"{run_dir[-48:]:<48} {row['label'][:16]:<16} {row['start']:>6.2f} {row['lowest']:>6.2f}"
               f" {row['dip']:>5.2f} {row['last']:>5.2f} {reached:>8}")
-    print(curve_figure(series, None, args.title, Path(args.out)))
+    # BC's band: the step-0 evaluations (the base policy) of every run, their intervals' hull
+    starts = [next(r for r in _metrics(Path(d)) if "eval/success_rate" in r) for d in rows]
+    bc = (sum(r["eval/success_rate"] for r in starts) / len(starts),
+          min(r.get("eval/success_rate_low", r["eval/success_rate"]) for r in starts),
+          max(r.get("eval/success_rate_high", r["eval/success_rate"]) for r in starts))
+    print(curve_figure(series, bc, args.title, Path(args.out)))
     return rows
 
 
