@@ -297,6 +297,6 @@ def test_a_decaying_anchor_falls_linearly_to_zero(checkpoints, tmp_path):  # noq
 
 def test_a_decay_needs_the_regulariser_it_schedules(checkpoints, tmp_path, capsys):  # noqa: F811
     assert main(["finetune", f"checkpoint={checkpoints / 'flow'}", f"run_dir={tmp_path / 'r'}", *TINY,
-                 "algo.base_reg_decay_steps=1000"]) == 2
+                 "algo.base_reg_coef=0", "algo.base_reg_decay_steps=1000"]) == 2
     assert "algo.base_reg_decay_steps must be null unless algo.base_reg_coef > 0" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
