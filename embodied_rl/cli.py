@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"error: unknown command '{command}' (choose from: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
+    finished = False  # every rank ran its command to the end (the process group closes behind a barrier)
     try:
         cfg = compose(command, [o for o in overrides if o not in ("-h", "--help")])
         if "-h" in overrides or "--help" in overrides:
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         from embodied_rl.commands import run_command
 
         headline, run_dir = run_command(importlib.import_module(COMMANDS[command][1]), cfg)
+        finished = True
     except UserError as error:
         print(f"error: {_rank_prefix()}{error}", file=sys.stderr)
         return 2
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         if _world_size() > 1:
             from embodied_rl import distributed
 
-            distributed.close()
+            distributed.close(finished)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 prints the headline
         print_headline(command, headline, run_dir)
     return 0

@@ -63,8 +63,14 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def close() -> None:
+def close(finished: bool = True) -> None:
+    """Tear the process group down. After a run every rank finished, a barrier first: a rank that
+    destroys the group while its peer's last collective is still in flight can abort the peer
+    (gloo: "terminate called without an active exception"). After an error, no barrier: the peer
+    may be gone."""
     if dist.is_available() and dist.is_initialized():
+        if finished and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 
