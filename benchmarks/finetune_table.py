@@ -114,11 +114,10 @@ def refuse(message: str) -> None:
     raise SystemExit(2)
 
 
-def curve(run_dir: Path) -> list[tuple[int, float]]:
-    """A finetune run's periodic evaluations: (env step, success rate), the first at step 0."""
-    if not (run_dir / "metrics.jsonl").exists():
-        return []
-    return sorted((r["step"], r["eval/success_rate"]) for r in _metrics(run_dir) if "eval/success_rate" in r)
+def curve(metrics: list[dict]) -> list[tuple[int, float]]:
+    """A finetune run's periodic evaluations (its metrics.jsonl rows): (env step, success rate),
+    the first at step 0."""
+    return sorted((r["step"], r["eval/success_rate"]) for r in metrics if "eval/success_rate" in r)
 
 
 def dip(points: list[tuple[int, float]]) -> float:
@@ -156,17 +155,19 @@ def curve_figure(series: dict[str, list[list[tuple[int, float]]]], bc: tuple[flo
 
 def curves(args) -> dict:
     """Start, lowest point, dip and first step at --target of each given run, and their figure."""
-    series, rows = {}, {}
+    series, rows, starts = {}, {}, []
     for entry in args.runs:
         label, _, dirs = entry.partition("=")
         if not dirs:
             refuse(f"--runs {entry}: expected LABEL=RUN_DIR[,RUN_DIR...]")
         series[label] = []
         for run_dir in dirs.split(","):
-            points = curve(Path(run_dir))
+            metrics = _metrics(Path(run_dir)) if (Path(run_dir) / "metrics.jsonl").exists() else []
+            points = curve(metrics)
             if not points:
                 refuse(f"--runs {entry}: {run_dir} holds no periodic evaluations (metrics.jsonl)")
             series[label].append(points)
+            starts.append(next(r for r in metrics if r.get("step") == points[0][0] and "eval/success_rate" in r))
             reached = next((step for step, rate in points if rate >= args.target), None)
             rows[run_dir] = {"label": label, "start": points[0][1], "lowest": min(rate for _, rate in points),
                              "dip": dip(points), "steps_to_target": reached, "last": points[-1][1],
@@ -176,8 +177,7 @@ def curves(args) -> dict:
         reached = "-" if row["steps_to_target"] is None else str(row["steps_to_target"])
         print(f"{run_dir[-48:]:<48} {row['label'][:16]:<16} {row['start']:>6.2f} {row['lowest']:>6.2f}"
               f" {row['dip']:>5.2f} {row['last']:>5.2f} {reached:>8}")
-    # BC's band: the step-0 evaluations (the base policy) of every run, their intervals' hull
-    starts = [next(r for r in _metrics(Path(d)) if "eval/success_rate" in r) for d in rows]
+    # BC's band: the first evaluations (the base policy) of every run, their intervals' hull
     bc = (sum(r["eval/success_rate"] for r in starts) / len(starts),
           min(r.get("eval/success_rate_low", r["eval/success_rate"]) for r in starts),
           max(r.get("eval/success_rate_high", r["eval/success_rate"]) for r in starts))
@@ -239,7 +239,7 @@ def finetune_run(task: str, algo: str, seed: int, checkpoint: Path, run_dir: Pat
     metrics = _metrics(run_dir / "finetune")
     evals = [r for r in metrics if "eval/success_rate" in r]
     reached = next((r for r in evals if r["eval/success_rate"] >= args.target), None)
-    points = curve(run_dir / "finetune")
+    points = curve(metrics)
     return {"success": _overall(run_dir / "eval")["success_rate"], "curve": points, "dip": dip(points),
             "env_steps": max(r["step"] for r in metrics),
             "wall_s": [r["train/wall_s"] for r in metrics if "train/wall_s" in r][-1],  # over every resumed part

@@ -48,7 +48,8 @@ def test_finetune_table_reports_each_algo_over_seeds_and_resumes(tmp_path, capsy
     assert rows["reach/sac_scratch"]["reached_target"] == "0/2"
     assert "reach/residual_ppo" in capsys.readouterr().out
     # the dip: how far the curve's lowest later point falls below its first, over seeds
-    points = [bench.curve(tmp_path / "out" / f"reach_residual_ppo_{seed}" / "finetune") for seed in (0, 1)]
+    points = [bench.curve(bench._metrics(tmp_path / "out" / f"reach_residual_ppo_{seed}" / "finetune"))
+              for seed in (0, 1)]
     assert ppo["dip"] == max(max([0.0] + [p[0][1] - rate for _, rate in p[1:]]) for p in points)
     assert (tmp_path / "figures" / "reach.png").stat().st_size > 0
 
