@@ -19,7 +19,9 @@ The last line printed is one JSON object with the headline numbers.
         --title peg_insert --out curves.png
 
 `curves` does the same for finetune run directories made elsewhere (`embodied-rl finetune ...
-eval_every=N`): per run its start, lowest point, dip and first step at --target, and the figure.
+eval_every=N`): per run its start, lowest point, dip and first step at --target, and the figure;
+`--by-instruction` per instruction of multi-task runs (a VLA on Meta-World MT10: each task's
+periodic success, logged as eval/success_rate/<instruction>), a panel per instruction.
 """
 
 from __future__ import annotations
@@ -120,6 +122,18 @@ def curve(metrics: list[dict]) -> list[tuple[int, float]]:
     return sorted((r["step"], r["eval/success_rate"]) for r in metrics if "eval/success_rate" in r)
 
 
+def instruction_curves(metrics: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """A multi-task run's periodic evaluations per instruction (its `eval/success_rate/<instruction>`
+    rows): {instruction: [(env step, success rate), ...]}."""
+    prefix = "eval/success_rate/"
+    by_text: dict[str, list[tuple[int, float]]] = {}
+    for row in metrics:
+        for key, value in row.items():
+            if key.startswith(prefix):
+                by_text.setdefault(key[len(prefix):], []).append((row["step"], value))
+    return {text: sorted(points) for text, points in by_text.items()}
+
+
 def dip(points: list[tuple[int, float]]) -> float:
     """How far the lowest later evaluation falls below the first (the base policy on the same
     episodes); 0 when none falls below it."""
@@ -153,8 +167,77 @@ def curve_figure(series: dict[str, list[list[tuple[int, float]]]], bc: tuple[flo
     return path
 
 
+def instruction_figure(panels: dict[str, dict[str, list[list[tuple[int, float]]]]], title: str, path: Path) -> Path:
+    """A panel per instruction: each run's curve for it (a colour per label) and its runs' mean
+    start (the base policy) dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = min(5, len(panels))
+    rows = -(-len(panels) // columns)
+    figure, grid = plt.subplots(rows, columns, figsize=(2.6 * columns, 2.2 * rows), dpi=100, squeeze=False,
+                                sharex=True, sharey=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for axes, (text, series) in zip(grid.flat, panels.items()):
+        starts = []
+        for index, (label, runs) in enumerate(series.items()):
+            for number, points in enumerate(runs):
+                steps, rates = zip(*points)
+                starts.append(rates[0])
+                axes.plot(steps, rates, color=colours[index % len(colours)], marker="o", markersize=1.5,
+                          linewidth=0.8, label=label if number == 0 else None)
+        axes.axhline(sum(starts) / len(starts), color="grey", linestyle="--", linewidth=0.8)
+        axes.set_title(text if len(text) <= 32 else text[:30] + "..", fontsize=7)
+        axes.set_ylim(-0.02, 1.02)
+        axes.grid(alpha=0.3)
+        axes.tick_params(labelsize=6)
+    for axes in list(grid.flat)[len(panels):]:
+        axes.axis("off")
+    grid.flat[0].legend(fontsize=6)
+    figure.suptitle(f"{title} (dashed: the base policy)", fontsize=9)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    plt.close(figure)
+    return path
+
+
+def curves_by_instruction(args) -> dict:
+    """`curves --by-instruction`: the same per instruction of multi-task runs (a panel each)."""
+    panels: dict[str, dict[str, list]] = {}
+    rows = {}
+    for entry in args.runs:
+        label, _, dirs = entry.partition("=")
+        if not dirs:
+            refuse(f"--runs {entry}: expected LABEL=RUN_DIR[,RUN_DIR...]")
+        for run_dir in dirs.split(","):
+            metrics = _metrics(Path(run_dir)) if (Path(run_dir) / "metrics.jsonl").exists() else []
+            by_text = instruction_curves(metrics)
+            if not by_text:
+                refuse(f"--runs {entry}: {run_dir} holds no per-instruction periodic evaluations "
+                       "(eval/success_rate/<instruction> in metrics.jsonl: a multi-task run's)")
+            for text, points in by_text.items():
+                panels.setdefault(text, {}).setdefault(label, []).append(points)
+                reached = next((step for step, rate in points if rate >= args.target), None)
+                rows[f"{run_dir} | {text}"] = {"label": label, "instruction": text, "start": points[0][1],
+                                               "lowest": min(rate for _, rate in points), "dip": dip(points),
+                                               "steps_to_target": reached, "last": points[-1][1]}
+    print(f"{'instruction':<40} {'label':<16} {'dip per run':>24}")
+    for text in panels:
+        for label in panels[text]:
+            dips = " ".join(f"{row['dip']:.2f}" for row in rows.values()
+                            if row["instruction"] == text and row["label"] == label)
+            print(f"{text[:40]:<40} {label[:16]:<16} {dips:>24}")
+    print(instruction_figure(panels, args.title, Path(args.out)))
+    return rows
+
+
 def curves(args) -> dict:
     """Start, lowest point, dip and first step at --target of each given run, and their figure."""
+    if args.by_instruction:
+        return curves_by_instruction(args)
     series, rows, starts = {}, {}, []
     for entry in args.runs:
         label, _, dirs = entry.partition("=")
@@ -388,6 +471,8 @@ def parse_args() -> argparse.Namespace:
     c.add_argument("--target", type=float, default=0.9)
     c.add_argument("--title", default="")
     c.add_argument("--out", required=True, help="the figure (PNG)")
+    c.add_argument("--by-instruction", action="store_true",
+                   help="multi-task runs: each instruction's curve and dip, a panel per instruction")
     args = parser.parse_args()
     try:
         for algo in getattr(args, "algos", []):

@@ -95,6 +95,31 @@ def test_finetune_table_curves_reports_each_runs_dip_and_refuses_a_run_without_a
     assert not (tmp_path / "x.png").exists()
 
 
+def test_finetune_table_curves_by_instruction_reports_each_tasks_dip(tmp_path, capsys, monkeypatch):
+    bench = load_benchmark("finetune_table")
+    (tmp_path / "a").mkdir()
+    # the overall curve holds (.7 .7 .8) while one task falls 40 points: only a per-task curve shows it
+    rows = [{"step": 10 * i, "eval/success_rate": overall, "eval/success_rate/push": push, "eval/success_rate/reach": reach}
+            for i, (overall, push, reach) in enumerate([(0.7, 0.9, 0.5), (0.7, 0.5, 0.9), (0.8, 0.9, 0.7)])]
+    (tmp_path / "a" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(sys, "argv", ["finetune_table.py", "curves", "--by-instruction", "--runs", f"td3={tmp_path / 'a'}",
+                                      "--out", str(tmp_path / "tasks.png")])
+    result = bench.curves(bench.parse_args())
+    push, reach = result[f"{tmp_path / 'a'} | push"], result[f"{tmp_path / 'a'} | reach"]
+    assert push["dip"] == pytest.approx(0.4) and push["steps_to_target"] == 0
+    assert reach["dip"] == 0.0 and reach["steps_to_target"] == 10
+    assert (tmp_path / "tasks.png").stat().st_size > 0
+
+    (tmp_path / "single").mkdir()  # a single-task run has no per-instruction curve: refused, no figure
+    (tmp_path / "single" / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/success_rate": 0.5}) + "\n")
+    monkeypatch.setattr(sys, "argv", ["finetune_table.py", "curves", "--by-instruction", "--runs",
+                                      f"x={tmp_path / 'single'}", "--out", str(tmp_path / "x.png")])
+    with pytest.raises(SystemExit) as exit_info:
+        bench.curves(bench.parse_args())
+    assert exit_info.value.code == 2 and "no per-instruction periodic evaluations" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
 def test_residual_sac_update_cost_grows_with_the_ensemble(capsys):
     bench = load_benchmark("residual_sac_update")
     # 256-wide critics, so that compute, not per-update overhead, sets the time; 8x the critics

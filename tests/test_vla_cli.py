@@ -71,6 +71,22 @@ def test_every_fine_tuning_method_applies_to_the_vla(bc, tmp_path, capsys):
         capsys.readouterr().err
 
 
+def test_periodic_evaluations_log_each_instructions_success(bc, tmp_path, capsys):
+    run_dir = tmp_path / "td3"
+    assert main(["finetune", "algo=residual_offpolicy", "task=tabletop", f"checkpoint={bc}", "num_envs=2",
+                 "eval_every=8", "eval_episodes=6", "videos=0", "env_steps=16", "algo.warmup_env_steps=8",
+                 "algo.critic_only_steps=0", *OFF_POLICY["residual_offpolicy"], f"run_dir={run_dir}"]) == 0, \
+        capsys.readouterr().err
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [row for row in rows if "eval/success_rate" in row]
+    assert [row["step"] for row in evaluations] == [0, 8, 16]
+    final = json.loads((run_dir / "eval_info.json").read_text())["overall"]["success_by_instruction"]
+    assert len(final) > 1
+    per_instruction = {key.removeprefix("eval/success_rate/"): value for key, value in evaluations[-1].items()
+                       if key.startswith("eval/success_rate/")}
+    assert per_instruction == {text: group["success_rate"] for text, group in final.items()}
+
+
 def test_qc_fql_copies_the_vla_velocity_network_as_its_one_step_policy(bc, tmp_path, capsys):
     run_dir = tmp_path / "qc_fql"
     assert main(["finetune", "algo=qc_fql", "task=tabletop", f"checkpoint={bc}", "num_envs=2", "eval_every=0",

@@ -473,6 +473,10 @@ class EnvEvaluation:
             low, high = overall["success_ci95"]
             metrics.update({"eval/success_rate": overall["success_rate"],
                             "eval/success_rate_low": low, "eval/success_rate_high": high})
+        by_instruction = overall.get("success_by_instruction") or {}
+        if len(by_instruction) > 1:  # a multi-task curve: each task's own, so a dip on one task shows
+            metrics.update({f"eval/success_rate/{text}": group["success_rate"]
+                            for text, group in by_instruction.items()})
         return info, metrics
 
     def record(self, info: dict[str, Any]) -> dict[str, Any]:
