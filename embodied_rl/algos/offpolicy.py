@@ -113,11 +113,12 @@ def critic_step(critic: QEnsemble, optimizer: torch.optim.Optimizer, target: Ten
     return loss, q
 
 
-def actor_q(critic: QEnsemble, *inputs: Tensor) -> Tensor:
-    """The ensemble's mean Q [B] for an actor loss: the gradient reaches the actions (dQ/da), not
-    the critics' weights."""
+def actor_q(critic: QEnsemble, *inputs: Tensor, reduce: str = "mean") -> Tensor:
+    """The ensemble's Q [B] for an actor loss, its mean or (`reduce="min"`) its minimum: the
+    gradient reaches the actions (dQ/da), not the critics' weights."""
     critic.requires_grad_(False)
-    q = critic(*inputs).mean(0)
+    q_values = critic(*inputs)
+    q = q_values.min(0).values if reduce == "min" else q_values.mean(0)
     critic.requires_grad_(True)
     return q
 

@@ -118,6 +118,7 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
     learner: str               # td3 | sac
     residual_scale: float
     residual_penalty: float
+    actor_q: str               # mean | min: what of the critic ensemble the actor maximises
     normalize_obs: bool
     actor_hidden_sizes: list[int]
     critic_hidden_sizes: list[int]
@@ -142,6 +143,7 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
             ("learner", self.learner in ("td3", "sac"), "td3 or sac"),
             ("residual_scale", self.residual_scale > 0, "> 0"),
             ("residual_penalty", self.residual_penalty >= 0, ">= 0"),
+            ("actor_q", self.actor_q in ("mean", "min"), "mean or min"),
             ("actor_hidden_sizes", all(h >= 1 for h in self.actor_hidden_sizes), "a list of sizes >= 1"),
             ("critic_hidden_sizes", all(h >= 1 for h in self.critic_hidden_sizes), "a list of sizes >= 1"),
             ("ensemble", self.ensemble >= 2, ">= 2"),
@@ -256,7 +258,7 @@ class ResidualOffPolicyLearner:
             if self.algo.learner == "td3":
                 residual = self.actor(batch["obs"], batch["base"])
             action = (batch["base"] + residual).clamp(-1, 1)
-            q_pi = actor_q(self.critic, batch["obs"], batch["base"], action)
+            q_pi = actor_q(self.critic, batch["obs"], batch["base"], action, reduce=self.algo.actor_q)
             # Adam normalises gradient scale away, so even a faint but consistent critic slope
             # saturates tanh within a few hundred updates; the penalty keeps a residual only
             # where dQ/dr beats 2 * residual_penalty * (r / scale).

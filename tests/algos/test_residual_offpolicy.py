@@ -262,3 +262,22 @@ def test_a_bad_reward_mode_is_refused_before_any_work(tmp_path):
 
     with pytest.raises(UserError, match="algo.reward must be env, success or auto"):
         validate_config(sac_cfg(tmp_path, reward="dense"))
+
+
+def test_actor_q_min_is_the_ensembles_minimum_and_reaches_only_the_actions(tmp_path):
+    from embodied_rl.algos.offpolicy import QEnsemble, actor_q
+    from embodied_rl.algos.residual_offpolicy import validate_config
+    from embodied_rl.errors import UserError
+
+    torch.manual_seed(0)
+    critic = QEnsemble(input_dim=5, hidden_sizes=[16], ensemble=3)
+    obs, action = torch.randn(7, 3), torch.randn(7, 2, requires_grad=True)
+    every = critic(obs, action)
+    assert torch.equal(actor_q(critic, obs, action, reduce="min"), every.min(0).values)
+    assert torch.allclose(actor_q(critic, obs, action), every.mean(0))
+    actor_q(critic, obs, action, reduce="min").sum().backward()
+    assert action.grad is not None and action.grad.abs().sum() > 0
+    assert all(p.grad is None for p in critic.parameters()) and all(p.requires_grad for p in critic.parameters())
+
+    with pytest.raises(UserError, match="actor_q"):
+        validate_config(sac_cfg(tmp_path, actor_q="max"))
