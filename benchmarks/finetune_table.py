@@ -167,6 +167,24 @@ def curve_figure(series: dict[str, list[list[tuple[int, float]]]], bc: tuple[flo
     return path
 
 
+def run_entries(args):
+    """(entry, label, run_dir, metrics rows) for each run of `--runs LABEL=RUN_DIR[,RUN_DIR...]`."""
+    for entry in args.runs:
+        label, _, dirs = entry.partition("=")
+        if not dirs:
+            refuse(f"--runs {entry}: expected LABEL=RUN_DIR[,RUN_DIR...]")
+        for run_dir in dirs.split(","):
+            metrics = _metrics(Path(run_dir)) if (Path(run_dir) / "metrics.jsonl").exists() else []
+            yield entry, label, run_dir, metrics
+
+
+def curve_row(label: str, points: list[tuple[int, float]], target: float) -> dict:
+    """One curve's start, lowest point, dip, first step at `target` and last point."""
+    reached = next((step for step, rate in points if rate >= target), None)
+    return {"label": label, "start": points[0][1], "lowest": min(rate for _, rate in points), "dip": dip(points),
+            "steps_to_target": reached, "last": points[-1][1]}
+
+
 def instruction_figure(panels: dict[str, dict[str, list[list[tuple[int, float]]]]], title: str, path: Path) -> Path:
     """A panel per instruction: each run's curve for it (a colour per label) and its runs' mean
     start (the base policy) dashed."""
@@ -208,22 +226,14 @@ def curves_by_instruction(args) -> dict:
     """`curves --by-instruction`: the same per instruction of multi-task runs (a panel each)."""
     panels: dict[str, dict[str, list]] = {}
     rows = {}
-    for entry in args.runs:
-        label, _, dirs = entry.partition("=")
-        if not dirs:
-            refuse(f"--runs {entry}: expected LABEL=RUN_DIR[,RUN_DIR...]")
-        for run_dir in dirs.split(","):
-            metrics = _metrics(Path(run_dir)) if (Path(run_dir) / "metrics.jsonl").exists() else []
-            by_text = instruction_curves(metrics)
-            if not by_text:
-                refuse(f"--runs {entry}: {run_dir} holds no per-instruction periodic evaluations "
-                       "(eval/success_rate/<instruction> in metrics.jsonl: a multi-task run's)")
-            for text, points in by_text.items():
-                panels.setdefault(text, {}).setdefault(label, []).append(points)
-                reached = next((step for step, rate in points if rate >= args.target), None)
-                rows[f"{run_dir} | {text}"] = {"label": label, "instruction": text, "start": points[0][1],
-                                               "lowest": min(rate for _, rate in points), "dip": dip(points),
-                                               "steps_to_target": reached, "last": points[-1][1]}
+    for entry, label, run_dir, metrics in run_entries(args):
+        by_text = instruction_curves(metrics)
+        if not by_text:
+            refuse(f"--runs {entry}: {run_dir} holds no per-instruction periodic evaluations "
+                   "(eval/success_rate/<instruction> in metrics.jsonl: a multi-task run's)")
+        for text, points in by_text.items():
+            panels.setdefault(text, {}).setdefault(label, []).append(points)
+            rows[f"{run_dir} | {text}"] = {**curve_row(label, points, args.target), "instruction": text}
     print(f"{'instruction':<40} {'label':<16} {'dip per run':>24}")
     for text in panels:
         for label in panels[text]:
@@ -239,22 +249,13 @@ def curves(args) -> dict:
     if args.by_instruction:
         return curves_by_instruction(args)
     series, rows, starts = {}, {}, []
-    for entry in args.runs:
-        label, _, dirs = entry.partition("=")
-        if not dirs:
-            refuse(f"--runs {entry}: expected LABEL=RUN_DIR[,RUN_DIR...]")
-        series[label] = []
-        for run_dir in dirs.split(","):
-            metrics = _metrics(Path(run_dir)) if (Path(run_dir) / "metrics.jsonl").exists() else []
-            points = curve(metrics)
-            if not points:
-                refuse(f"--runs {entry}: {run_dir} holds no periodic evaluations (metrics.jsonl)")
-            series[label].append(points)
-            starts.append(next(r for r in metrics if r.get("step") == points[0][0] and "eval/success_rate" in r))
-            reached = next((step for step, rate in points if rate >= args.target), None)
-            rows[run_dir] = {"label": label, "start": points[0][1], "lowest": min(rate for _, rate in points),
-                             "dip": dip(points), "steps_to_target": reached, "last": points[-1][1],
-                             "env_steps": points[-1][0]}
+    for entry, label, run_dir, metrics in run_entries(args):
+        points = curve(metrics)
+        if not points:
+            refuse(f"--runs {entry}: {run_dir} holds no periodic evaluations (metrics.jsonl)")
+        series.setdefault(label, []).append(points)
+        starts.append(next(r for r in metrics if r.get("step") == points[0][0] and "eval/success_rate" in r))
+        rows[run_dir] = {**curve_row(label, points, args.target), "env_steps": points[-1][0]}
     print(f"{'run':<48} {'label':<16} {'start':>6} {'lowest':>6} {'dip':>5} {'last':>5} {'to ' + format(args.target, '.0%'):>8}")
     for run_dir, row in rows.items():
         reached = "-" if row["steps_to_target"] is None else str(row["steps_to_target"])
