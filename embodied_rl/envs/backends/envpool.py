@@ -168,13 +168,9 @@ class EnvPoolEnv(BatchedEnv):
     def _remake(self, env_seeds: list[int]) -> None:
         """Close the pools and make new ones, env i seeded env_seeds[i]; reset every env."""
         self.close()
-        self._pools = []
-        for k, env_id in enumerate(self.env_ids):
-            rows = slice(k * self.per_pool, (k + 1) * self.per_pool)
-            pool = self._make_pool(env_id, env_seeds[rows])
-            obs, info = pool.reset()
-            self._obs[self._rows(k, info["env_id"])] = self._flat(obs)
-            self._pools.append(pool)
+        self._pools = [self._make_pool(env_id, env_seeds[k * self.per_pool:(k + 1) * self.per_pool])
+                       for k, env_id in enumerate(self.env_ids)]
+        self._reset_rows(np.arange(self.num_envs))
         self._fresh = True
 
     def _rows(self, pool_index: int, local_ids: np.ndarray) -> np.ndarray:
@@ -184,11 +180,18 @@ class EnvPoolEnv(BatchedEnv):
         return np.asarray(obs, dtype=np.float32).reshape(len(obs), self.obs_dim)
 
     def _reset_rows(self, rows: np.ndarray) -> None:
-        """Reset the envs `rows` (global indices) in their pools; their new first obs go to _obs."""
+        """Reset the envs `rows` (global indices) in their pools; their new first obs go to _obs.
+
+        Every pool's resets are queued before any is awaited, so the pools reset in parallel, as
+        they step: a Meta-World reset costs ~50 env steps (it settles the arm), and awaiting each
+        pool's in turn made the same-step auto-resets of MT50's 50 pools a serial bottleneck
+        (`pool.reset(ids)` is EnvPool's `_reset(ids)` followed by `recv`, split here)."""
         pool_of = rows // self.per_pool
-        for k in np.unique(pool_of):
-            local = (rows[pool_of == k] - k * self.per_pool).astype(np.int32)
-            obs, info = self._pools[k].reset(local)
+        pools = np.unique(pool_of)
+        for k in pools:
+            self._pools[k]._reset((rows[pool_of == k] - k * self.per_pool).astype(np.int32))
+        for k in pools:
+            obs, info = self._pools[k].recv(reset=True, return_info=True)
             self._obs[self._rows(k, info["env_id"])] = self._flat(obs)
 
     # ---------------------------------------------------------------- reset / step
