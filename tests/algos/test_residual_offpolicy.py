@@ -281,3 +281,61 @@ def test_actor_q_min_is_the_ensembles_minimum_and_reaches_only_the_actions(tmp_p
 
     with pytest.raises(UserError, match="actor_q"):
         validate_config(sac_cfg(tmp_path, actor_q="max"))
+
+
+def test_conservative_q_adds_cql_and_pushes_the_actors_action_below_the_taken_one(tmp_path):
+    import copy
+
+    from embodied_rl.algos.offpolicy import QEnsemble, critic_step
+    from embodied_rl.algos.residual_offpolicy import validate_config
+    from embodied_rl.errors import UserError
+
+    torch.manual_seed(0)
+    plain = QEnsemble(input_dim=5, hidden_sizes=[16], ensemble=2)
+    conservative = copy.deepcopy(plain)
+    obs, taken, actors = torch.randn(32, 3), torch.rand(32, 2) - 0.5, torch.rand(32, 2) - 0.5
+    target = torch.rand(32)
+    with torch.no_grad():
+        td = ((plain(obs, taken) - target[None]) ** 2).mean(1).sum()
+        gap = (plain(obs, actors) - plain(obs, taken)).mean(1).sum()
+    optimizers = {id(c): torch.optim.Adam(c.parameters(), lr=1e-2) for c in (plain, conservative)}
+    loss, _ = critic_step(plain, optimizers[id(plain)], target, obs, taken)
+    assert torch.allclose(loss, td)  # weight 0: the plain TD loss
+    loss, _ = critic_step(conservative, optimizers[id(conservative)], target, obs, taken, conservative=0.5,
+                          policy_inputs=(obs, actors))
+    assert torch.allclose(loss, td + 0.5 * gap)
+    for _ in range(100):
+        critic_step(plain, optimizers[id(plain)], target, obs, taken)
+        critic_step(conservative, optimizers[id(conservative)], target, obs, taken, conservative=0.5,
+                    policy_inputs=(obs, actors))
+    with torch.no_grad():
+        gaps = {name: (c(obs, actors) - c(obs, taken)).mean().item()
+                for name, c in (("plain", plain), ("conservative", conservative))}
+    assert gaps["conservative"] < gaps["plain"] - 0.1
+
+    with pytest.raises(UserError, match="conservative_q"):
+        validate_config(sac_cfg(tmp_path, conservative_q=-1.0))
+
+
+@pytest.mark.parametrize("actor", ["sac", "td3"])
+def test_conservative_q_lowers_the_critics_view_of_the_actors_residual(tmp_path, actor):
+
+    def actor_over_taken(weight: float) -> float:
+        torch.manual_seed(0)
+        algo = sac_cfg(tmp_path, learner=actor, conservative_q=weight, policy_delay=1).algo
+        learner = ResidualOffPolicyLearner(ResidualOffPolicyConfig.from_cfg(algo), obs_dim=8, action_dim=2,
+                                           device=torch.device("cpu"), seed=0)
+        gen = torch.Generator().manual_seed(0)
+        batch = {"obs": torch.randn(32, 8, generator=gen), "base": torch.rand(32, 2, generator=gen) - 0.5,
+                 "action": torch.rand(32, 2, generator=gen) - 0.5, "reward": torch.rand(32, generator=gen),
+                 "discount": torch.full((32,), 0.9), "next_obs": torch.randn(32, 8, generator=gen),
+                 "next_base": torch.rand(32, 2, generator=gen) - 0.5}
+        for _ in range(60):
+            learner.update(batch, update_actor=True)
+        with torch.no_grad():
+            mine = (batch["base"] + learner.actor(batch["obs"], batch["base"])).clamp(-1, 1)
+            q = learner.critic(batch["obs"], batch["base"], mine) - learner.critic(batch["obs"], batch["base"],
+                                                                                   batch["action"])
+            return float(q.mean())
+
+    assert actor_over_taken(5.0) < actor_over_taken(0.0) - 0.05
