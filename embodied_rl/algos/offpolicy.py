@@ -100,18 +100,12 @@ def critic_and_target(input_dim: int, hidden_sizes: list[int], ensemble: int,
 
 
 def critic_step(critic: QEnsemble, optimizer: torch.optim.Optimizer, target: Tensor,
-                *inputs: Tensor, conservative: float = 0.0,
-                policy_inputs: tuple[Tensor, ...] = ()) -> tuple[Tensor, Tensor]:
+                *inputs: Tensor) -> tuple[Tensor, Tensor]:
     """One gradient step of every critic toward the TD target [B]: the squared error, averaged
     over the batch and summed over the ensemble (gradients averaged across ranks under torchrun).
-    `conservative` > 0 adds CQL's regulariser (Kumar et al. 2020) with the actor's own action as
-    the sample it pushes down: conservative * mean(Q(policy_inputs) - Q(inputs)), so the actor's
-    action is worth more than the action taken only where the TD targets say so.
     Returns (the loss, Q [E, B])."""
     q = critic(*inputs)
     loss = ((q - target[None]) ** 2).mean(1).sum()
-    if conservative:
-        loss = loss + conservative * (critic(*policy_inputs) - q).mean(1).sum()
     optimizer.zero_grad()
     loss.backward()
     distributed.average_gradients(critic.parameters())

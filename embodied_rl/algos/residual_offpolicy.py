@@ -119,7 +119,6 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
     residual_scale: float
     residual_penalty: float
     actor_q: str               # mean | min: what of the critic ensemble the actor maximises
-    conservative_q: float      # weight of CQL's regulariser on the critics (offpolicy.critic_step)
     normalize_obs: bool
     actor_hidden_sizes: list[int]
     critic_hidden_sizes: list[int]
@@ -145,7 +144,6 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
             ("residual_scale", self.residual_scale > 0, "> 0"),
             ("residual_penalty", self.residual_penalty >= 0, ">= 0"),
             ("actor_q", self.actor_q in ("mean", "min"), "mean or min"),
-            ("conservative_q", self.conservative_q >= 0, ">= 0"),
             ("actor_hidden_sizes", all(h >= 1 for h in self.actor_hidden_sizes), "a list of sizes >= 1"),
             ("critic_hidden_sizes", all(h >= 1 for h in self.critic_hidden_sizes), "a list of sizes >= 1"),
             ("ensemble", self.ensemble >= 2, ">= 2"),
@@ -249,14 +247,8 @@ class ResidualOffPolicyLearner:
             next_action, next_log_prob = self._next_action(batch["next_obs"], batch["next_base"])
             next_q = random_pair_min(self.critic_target(batch["next_obs"], batch["next_base"], next_action), self.generator)
             target = batch["reward"] + batch["discount"] * (next_q - alpha * next_log_prob)
-        policy_inputs: tuple[Tensor, ...] = ()
-        if self.algo.conservative_q:
-            with torch.no_grad():
-                residual, _ = self.actor.sample(batch["obs"], batch["base"])
-                policy_inputs = (batch["obs"], batch["base"], (batch["base"] + residual).clamp(-1, 1))
         critic_loss, q = critic_step(self.critic, self.critic_optimizer, target, batch["obs"], batch["base"],
-                                     batch["action"], conservative=self.algo.conservative_q,
-                                     policy_inputs=policy_inputs)
+                                     batch["action"])
         stats = {"train/critic_loss": critic_loss.item(), "train/q": q.mean().item()}
 
         self.updates += 1
