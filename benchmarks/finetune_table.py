@@ -96,6 +96,16 @@ def _overall(run_dir: Path) -> dict:
     return json.loads((run_dir / "eval_info.json").read_text())["overall"]
 
 
+def evaluate_once(run_dir: Path, eval_args: list[str]) -> dict:
+    """`embodied-rl eval ... run_dir=RUN_DIR` unless it finished before (its eval_info.json is
+    there): the overall result. An evaluation interrupted before it finished left a run_dir that
+    `eval` would refuse; it holds nothing a finished one needs, so it is removed and redone."""
+    if not (run_dir / "eval_info.json").exists():
+        shutil.rmtree(run_dir, ignore_errors=True)
+        _cli(["eval", *eval_args, f"run_dir={run_dir}"])
+    return _overall(run_dir)
+
+
 def _finished(run_dir: Path, env_steps: int) -> bool:
     """A finetune run that reached `env_steps`: each finished run (or resumed part) logs
     train/wall_s at its last step; curve evaluations alone (eval_info.json) do not make it finished."""
@@ -315,11 +325,9 @@ def finetune_run(task: str, algo: str, seed: int, checkpoint: Path, run_dir: Pat
               f"env_steps={args.env_steps}", f"num_envs={args.num_envs}", f"eval_every={args.eval_every}",
               f"eval_episodes={args.curve_episodes}", "videos=0", f"run_dir={run_dir / 'finetune'}",
               *overrides_for(algo, args.set)])
-    if not (run_dir / "eval" / "eval_info.json").exists():  # task overrides (task.*=) hold here too
-        task_sets = [entry for entry in overrides_for(algo, args.set) if entry.startswith("task.")]
-        _cli(["eval", f"task={task}", f"checkpoint={run_dir / 'finetune' / 'checkpoints' / 'last'}",
-              f"episodes={args.eval_episodes}", "videos=0", f"seed={args.eval_seed}", f"run_dir={run_dir / 'eval'}",
-              *task_sets])
+    task_sets = [entry for entry in overrides_for(algo, args.set) if entry.startswith("task.")]  # hold here too
+    evaluate_once(run_dir / "eval", [f"task={task}", f"checkpoint={run_dir / 'finetune' / 'checkpoints' / 'last'}",
+                                     f"episodes={args.eval_episodes}", "videos=0", f"seed={args.eval_seed}", *task_sets])
     metrics = _metrics(run_dir / "finetune")
     evals = [r for r in metrics if "eval/success_rate" in r]
     reached = next((r for r in evals if r["eval/success_rate"] >= args.target), None)
@@ -387,11 +395,9 @@ def table(args) -> dict:
     figures = {}
     for task in args.tasks:
         checkpoint = bc_checkpoint(task, given, root)
-        bc_dir = root / f"{task}_bc_eval"
-        if not (bc_dir / "eval_info.json").exists():
-            _cli(["eval", f"task={task}", f"checkpoint={checkpoint}", f"episodes={args.eval_episodes}",
-                  "videos=0", f"seed={args.eval_seed}", f"run_dir={bc_dir}"])
-        bc = _overall(bc_dir)
+        bc = evaluate_once(root / f"{task}_bc_eval", [f"task={task}", f"checkpoint={checkpoint}",
+                                                       f"episodes={args.eval_episodes}", "videos=0",
+                                                       f"seed={args.eval_seed}"])
         series = {}
         for algo in args.algos:
             runs = []

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from finetune_table import _cli, _overall, bc_checkpoint, finetune_run  # noqa: E402
+from finetune_table import bc_checkpoint, evaluate_once, finetune_run  # noqa: E402
 
 
 def suite_tasks(names: list[str]) -> list[str]:
@@ -73,11 +73,9 @@ def table(args) -> dict:
         pretrain = [f"steps={args.pretrain_steps}", *args.pretrain_set] if args.pretrain_steps else list(args.pretrain_set)
         checkpoint = bc_checkpoint(task, {}, root, collect, pretrain)
         collect_info = json.loads((root / f"{task}_bc" / "collect" / "collect_info.json").read_text())
-        bc_dir = root / f"{task}_bc_eval"
-        if not (bc_dir / "eval_info.json").exists():
-            _cli(["eval", f"task={task}", f"checkpoint={checkpoint}", f"episodes={args.eval_episodes}",
-                  "videos=0", f"seed={args.eval_seed}", f"run_dir={bc_dir}", *task_sets])
-        bc = _overall(bc_dir)
+        bc = evaluate_once(root / f"{task}_bc_eval", [f"task={task}", f"checkpoint={checkpoint}",
+                                                       f"episodes={args.eval_episodes}", "videos=0",
+                                                       f"seed={args.eval_seed}", *task_sets])
         row = {"expert": collect_info["expert_success_rate"], "demos": collect_info["episodes_written"],
                "bc": bc["success_rate"], "bc_ci95": bc["success_ci95"]}
         for algo in args.algos:

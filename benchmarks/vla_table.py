@@ -52,7 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from finetune_table import _cli, _finished, _metrics, _overall, overrides_for  # noqa: E402
+from finetune_table import _cli, _finished, _metrics, evaluate_once, overrides_for  # noqa: E402
 
 MAX_DEMOS_PER_INSTRUCTION = 50  # the cap on BC data
 SPLIT_OVERRIDES = {"seen": [], "held_out": ["task.instruction_split=held_out"], "shuffled": ["instruction_shuffle=true"]}
@@ -198,14 +198,11 @@ def evaluate_split(checkpoint: Path, run_dir: Path, split: str, args) -> dict:
     shuffled), reused when finished: the average over instructions, success rate and episodes per
     instruction, the overall success rate and the evaluation loop's wall time."""
     episodes = args.held_out_episodes if split == "held_out" else args.eval_episodes
-    if not (run_dir / "eval_info.json").exists():
-        shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted evaluation
-        _cli(["eval", *task_args(args.suite), f"checkpoint={checkpoint}", f"episodes={episodes}",
-              f"num_envs={min(args.eval_envs, episodes)}", "videos=0", f"seed={args.eval_seed}",
-              f"run_dir={run_dir}", *SPLIT_OVERRIDES[split]])
+    overall = evaluate_once(run_dir, [*task_args(args.suite), f"checkpoint={checkpoint}", f"episodes={episodes}",
+                                      f"num_envs={min(args.eval_envs, episodes)}", "videos=0",
+                                      f"seed={args.eval_seed}", *SPLIT_OVERRIDES[split]])
     from embodied_rl.eval.stats import wilson_interval
 
-    overall = _overall(run_dir)
     by_instruction = overall["success_by_instruction"]
     rates = {text: entry["success_rate"] for text, entry in by_instruction.items()}
     # the pooled episodes' Wilson interval: the average's own when every instruction has as many episodes

@@ -71,6 +71,13 @@ def test_finetune_table_reports_each_algo_over_seeds_and_resumes(tmp_path, capsy
     assert all(r["eval/train_wall_s"] > first_part["train_wall_s"] for r in resumed if "eval/train_wall_s" in r)
     assert (tmp_path / "out" / "reach_residual_ppo_0" / "eval" / "eval_info.json").stat().st_mtime > finished
 
+    # evaluations interrupted before they finished (their run_dirs hold files, no eval_info.json) are redone
+    for evaluation in (tmp_path / "out" / "reach_bc_eval", tmp_path / "out" / "reach_residual_ppo_0" / "eval"):
+        (evaluation / "eval_info.json").unlink()
+        assert any(evaluation.iterdir())
+    assert bench.table(bench.parse_args()) == longer
+    assert (tmp_path / "out" / "reach_bc_eval" / "eval_info.json").exists()
+
 
 def test_finetune_table_curves_reports_each_runs_dip_and_refuses_a_run_without_a_curve(tmp_path, capsys, monkeypatch):
     bench = load_benchmark("finetune_table")
