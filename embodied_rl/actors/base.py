@@ -258,8 +258,8 @@ class ActorAgent(ChunkExecutor):
 
 # How a chain actor aggregates log-densities over the executed chunk entries (Ta x A), which sets
 # what PPO's clip bounds: "mean", the average entry's log-ratio (ReinFlow's scale); "sum", the whole
-# chunk's log-ratio (pi_RL's chunk-level log-prob, Flow-SDE); "none", every entry its own ratio and
-# clip, the loss averaged over entries (pi_RL's token-level log-prob, Flow-Noise).
+# chunk's log-ratio (pi_RL's chunk-level log-prob: Flow-SDE, Flow-Noise); "none", every entry its own
+# ratio and clip, the loss averaged over entries (pi_RL's token-level log-prob).
 LOGPROB_REDUCE = ("mean", "sum", "none")
 
 

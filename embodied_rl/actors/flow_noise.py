@@ -6,9 +6,10 @@ Euler steps into a Markov chain of Gaussian transitions with a tractable likelih
 
 The velocity network (a trainable copy) and the noise network are both trained.
 Likelihood: each executed chunk entry's (Ta x A) log-density *averaged over the K transitions*
-(pi_RL's joint log-prob), then aggregated over the entries by `logprob_reduce`: "mean" is
-ReinFlow's own normalisation (the chain's log-prob over K x Ta x A), "none" gives every entry its
-own ratio and clip (pi_RL's token level), "sum" the chunk's (actors/base.py, LOGPROB_REDUCE). The
+(pi_RL's joint log-prob), then aggregated over the entries by `logprob_reduce`: "sum" gives the
+chunk one ratio (pi_RL's chunk level), "mean" is ReinFlow's own normalisation (the chain's
+log-prob over K x Ta x A), "none" gives every entry its own ratio and clip (pi_RL's token level: a
+far looser trust region over the chunk) (actors/base.py, LOGPROB_REDUCE). The
 entropy bonus uses the same aggregation. Works with flow and shortcut policies at any K (1-4 is
 the point: few steps are cheap) and with diffusion policies (their DDIM eta=0 step).
 """
@@ -35,7 +36,7 @@ class FlowNoiseActor(ChainActor):
         max_std: float = 0.16,
         noise_hidden: int = 128,
         critic_hidden: int = 256,
-        logprob_reduce: str = "none",
+        logprob_reduce: str = "sum",
     ):
         super().__init__(policy, critic_hidden, logprob_reduce)
         if not 0 < min_std <= max_std:

@@ -72,7 +72,7 @@ from embodied_rl.algos.offpolicy import (
     polyak,
     random_pair_min,
 )
-from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart
+from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, EarnedReach, WarmStart
 from embodied_rl.errors import UserError
 from embodied_rl.policies import PolicyRunner
 from embodied_rl.policies.base import Obs
@@ -105,6 +105,15 @@ def nstep_returns(rewards: Tensor, terminated: Tensor, truncated: Tensor, gamma:
     return returns, discount, first_done
 
 
+def finished_successes(info: dict[str, Any]) -> tuple[float, float]:
+    """(successes, episodes) of the episodes that ended at this step, summed over ranks; the
+    success the learner may see (the learned one under reward=model:PATH)."""
+    ended, episode = info["_episode"], info["episode"]
+    success = episode.get("learned_success_once", episode["success_once"])
+    counts = torch.stack([success[ended].float().sum(), ended.float().sum()]) if bool(ended.any()) else torch.zeros(2)
+    return tuple(float(v) for v in distributed.all_sum(counts.cpu()))
+
+
 # --------------------------------------------------------------------------------------------
 # Config
 # --------------------------------------------------------------------------------------------
@@ -132,6 +141,8 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
     warmup_env_steps: int
     critic_only_steps: int
     reach_ramp_steps: int      # the residual's bound grows to residual_scale over these env steps (algos/wsrl.py)
+    free_reach: float          # ... but past this fraction of it only as far as success earns (EarnedReach)
+    reach_window: int          # training episodes per verdict of EarnedReach
     interventions: str         # none | expert
     intervention_trigger: str  # stall | random
     stall_steps: int
@@ -161,6 +172,8 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
             ("warmup_env_steps", self.warmup_env_steps >= 0, ">= 0"),
             ("critic_only_steps", self.critic_only_steps >= 0, ">= 0"),
             ("reach_ramp_steps", self.reach_ramp_steps >= 0, ">= 0"),
+            ("free_reach", 0 < self.free_reach <= 1, "in (0, 1] (1: the ramp alone)"),
+            ("reach_window", self.reach_window >= 1, ">= 1"),
             ("interventions", self.interventions in ("none", "expert"), "none or expert"),
             ("intervention_trigger", self.intervention_trigger in TRIGGERS, " or ".join(TRIGGERS)),
             ("stall_steps", self.stall_steps >= 1, ">= 1"),
@@ -314,6 +327,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     distributed.broadcast_modules([learner.actor, learner.actor_target, learner.critic, learner.critic_target])
     distributed.seed_rank(seed)  # the ranks explore and sample their replay with different noise
     warm_start = WarmStart(algo.warmup_env_steps, algo.critic_only_steps, algo.reach_ramp_steps)
+    earned = EarnedReach(algo.free_reach, algo.reach_window)
     rewards = reward_settings(cfg)
     shaping = PotentialShaping(algo.reward_shaping, algo.gamma) if algo.reward_shaping else None
     shapes = {"obs": (obs_dim,), "base": (action_dim,), "action": (action_dim,), "reward": (), "discount": (),
@@ -371,23 +385,27 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
             replay.load_state_dict(saved["replay"]["online"])
             intervened.load_state_dict(saved["replay"]["intervened"])
         takeover.load_state_dict(saved)
+        if "earned_reach" in saved:
+            earned.load_state_dict(saved["earned_reach"])
 
     def loop_state() -> dict[str, Any]:
         return {"env": env_snapshot(env), "obs": obs, "base": base, "window": window, "queue": queue.state_dict(),
                 "demo_generator": demo_generator.get_state(), "pending_updates": budget.state_dict(),
                 "replay": {"online": replay.state_dict(), "intervened": intervened.state_dict()},
+                "earned_reach": earned.state_dict(),
                 **takeover.state_dict(), **({"shaping": shaping.state()} if shaping is not None else {})}
 
     loop.start(f"finetune {algo.name}")
     while loop.env_steps < loop.total_env_steps:
         phase = warm_start.phase(loop.env_steps)
-        learner.set_reach(warm_start.reach(loop.env_steps))
+        learner.set_reach(min(warm_start.reach(loop.env_steps), earned.cap))
         obs_features = features(obs)  # once per step: for the actor now, and for the replay
         residual = torch.zeros_like(base) if phase == WARMUP else learner.explore(obs_features, base.to(device)).to(base.device)
         action = takeover.act(obs, (base + residual).clamp(-1.0, 1.0))
         next_obs, reward, terminated, truncated, info = env.step(action)
         done = terminated | truncated
         takeover.after_step(reward, done, info)
+        earned.record(phase, *finished_successes(info))
         final_obs = where_obs(done, info["final_obs"], next_obs)
         bootstrap_base = queue.peek(final_obs, done)  # what the base policy would do at final_obs
         queue.reset(done.cpu())
@@ -422,7 +440,8 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
                     if key in stats:
                         loop.check_finite(key, stats[key], stats)
 
-        row = {**stats, "train/phase": {WARMUP: 0, CRITIC: 1, FULL: 2}[phase], **takeover.metrics()}
+        row = {**stats, "train/phase": {WARMUP: 0, CRITIC: 1, FULL: 2}[phase], "train/reach_cap": earned.cap,
+               **takeover.metrics()}
         if loop.log(row):
             takeover.window_logged()
         loop.boundary(loop_state)

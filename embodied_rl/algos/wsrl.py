@@ -13,6 +13,10 @@ A residual learner may also ramp its reach (`reach`): the residual's bound grows
 actor that still follows an immature critic can move the policy only a little (the dip below
 BC that a full-reach start shows on tasks BC already solves).
 
+Beyond `free_reach`, the reach is earned (`EarnedReach`): the ramp may take the residual past
+that fraction of its scale only as far as the training episodes have shown it to help, and a
+window that shows harm takes reach back.
+
 Both lengths are in simulator env steps summed over all envs (the same clock as
 `cfg.env_steps`). WSRL (Zhou et al., 2024) showed that this keeps a pretrained policy from
 collapsing in the first online updates; ResFiT and DSRL use the same idea.
@@ -62,6 +66,72 @@ class WarmStart:
 
     def updates_actor(self, env_steps: int) -> bool:
         return self.phase(env_steps) == FULL
+
+
+# how much reach one window's verdict gives or takes, as a fraction of the residual's scale
+REACH_STEP = 0.2
+
+
+@dataclass
+class EarnedReach:
+    """A cap on the ramp's reach, moved by the success of the training episodes.
+
+    The critic-only phase measures the baseline: the success of training episodes with the actor
+    still untouched (the base policy, the first reach and the exploration noise). In the full
+    phase, every `window` finished episodes give a verdict against it, with a margin of two
+    standard errors of the difference (at least one episode in the window):
+        success above baseline + margin -> the cap grows by REACH_STEP (up to 1),
+        success below baseline - margin -> the cap shrinks by REACH_STEP (down to FIRST_REACH),
+        else it stays.
+    The cap starts at `free_reach`: up to there the ramp alone sets the reach (1.0: no cap).
+    Why: on a task BC already solves, a residual at full reach follows the critic's slope into
+    misses the critic cannot see (Meta-World peg-insert-side, .96 -> .46 at scale 0.5; .96 held at
+    0.2), while a task far from solved needs the full reach (tabletop peg_insert: 0.5). Success,
+    not the critic, decides which of the two a task is (docs/finetuning.md, "Do no harm").
+    Episode counts are summed over ranks, so every rank holds the same cap.
+    """
+
+    free_reach: float = 1.0
+    window: int = 50
+
+    def __post_init__(self) -> None:
+        if not 0 < self.free_reach <= 1 or self.window < 1:
+            raise UserError("free_reach must be in (0, 1] and reach_window >= 1")
+        self.cap = self.free_reach
+        self.counts = {"baseline": [0.0, 0.0], "window": [0.0, 0.0]}  # [successes, episodes]
+
+    @property
+    def baseline(self) -> float | None:
+        successes, episodes = self.counts["baseline"]
+        return successes / episodes if episodes else None
+
+    def record(self, phase: str, successes: float, episodes: float) -> None:
+        """Episodes finished at this step (all ranks) in `phase`; a full window moves the cap."""
+        if self.free_reach == 1.0 or episodes == 0 or phase == WARMUP:
+            return
+        counts = self.counts["baseline" if phase == CRITIC else "window"]
+        counts[0] += successes
+        counts[1] += episodes
+        if phase == CRITIC or counts[1] < self.window:
+            return
+        rate, n = counts[0] / counts[1], counts[1]
+        if self.baseline is None:  # no critic-only phase: the first full window is the baseline
+            self.counts["baseline"] = list(counts)
+        else:
+            base, m = self.baseline, self.counts["baseline"][1]
+            margin = max(2.0 * (base * (1 - base) / m + rate * (1 - rate) / n) ** 0.5, 1.0 / n)
+            if rate > base + margin:
+                self.cap = min(1.0, self.cap + REACH_STEP)
+            elif rate < base - margin:
+                self.cap = max(FIRST_REACH, self.cap - REACH_STEP)
+        self.counts["window"] = [0.0, 0.0]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cap": self.cap, "counts": {key: list(value) for key, value in self.counts.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.cap = float(state["cap"])
+        self.counts = {key: list(value) for key, value in state["counts"].items()}
 
 
 def check_actor_trains(cfg: Any) -> None:

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from embodied_rl.algos.dsrl import make_dsrl
 from embodied_rl.algos.residual_offpolicy import ResidualOffPolicyConfig, ResidualOffPolicyLearner
-from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart
+from embodied_rl.algos.wsrl import CRITIC, FIRST_REACH, FULL, WARMUP, EarnedReach, WarmStart
 from embodied_rl.errors import UserError
 from embodied_rl.paths import config_dir
 from tests.algos.test_dsrl import algo_cfg, make_vec_env, tiny_policy
@@ -52,6 +52,49 @@ def test_a_ramped_td3_learner_explores_at_the_full_scale():
     full = algo.exploration_noise * algo.residual_scale
     assert abs(float(residual.std()) - full) < 0.05 * full
     assert float(residual.abs().max()) <= algo.residual_scale
+
+
+def test_reach_past_the_free_part_is_earned_by_success_and_lost_by_harm():
+    earned = EarnedReach(free_reach=0.4, window=50)
+    earned.record(WARMUP, 50, 50)  # the warm-up (no exploration noise) is not the baseline
+    for _ in range(10):
+        earned.record(CRITIC, 6, 10)
+    assert earned.baseline == 0.6 and earned.cap == 0.4
+    # margin: 2 sqrt(.24/100 + r(1-r)/50); 0.7 lies within it, 0.9 above, 0.4 below
+    earned.record(FULL, 35, 50)
+    assert earned.cap == 0.4
+    earned.record(FULL, 45, 50)
+    assert earned.cap == pytest.approx(0.6)
+    earned.record(FULL, 20, 30)  # an unfinished window gives no verdict
+    assert earned.cap == pytest.approx(0.6)
+    earned.record(FULL, 0, 20)  # 20 / 50 = 0.4
+    assert earned.cap == pytest.approx(0.4)
+    for _ in range(5):
+        earned.record(FULL, 50, 50)
+    assert earned.cap == 1.0
+    for _ in range(10):
+        earned.record(FULL, 0, 50)
+    assert earned.cap == FIRST_REACH
+    restored = EarnedReach(free_reach=0.4, window=50)
+    restored.load_state_dict(earned.state_dict())
+    assert restored.cap == earned.cap and restored.counts == earned.counts
+
+
+def test_a_solved_task_keeps_its_free_reach_and_without_a_critic_phase_the_first_window_is_the_baseline():
+    solved = EarnedReach(free_reach=0.4, window=10)
+    solved.record(CRITIC, 40, 40)
+    for _ in range(5):
+        solved.record(FULL, 10, 10)  # cannot beat a baseline of 1
+    assert solved.cap == 0.4
+    solved.record(FULL, 6, 10)  # 0.6 < 1 - 2 sqrt(0.024): harm (0.8 lies within the margin)
+    assert solved.cap == pytest.approx(0.2)
+    direct = EarnedReach(free_reach=0.4, window=10)
+    direct.record(FULL, 2, 10)
+    assert direct.baseline == 0.2 and direct.cap == 0.4
+    off = EarnedReach(free_reach=1.0, window=10)
+    off.record(CRITIC, 0, 10)
+    off.record(FULL, 0, 10)
+    assert off.cap == 1.0 and off.baseline is None
 
 
 def test_negative_lengths_are_user_errors():
