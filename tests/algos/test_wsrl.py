@@ -117,3 +117,14 @@ def test_dsrl_actor_fixed_in_warmup_and_critic_only(variant):
     assert not all(torch.equal(a, b) for a, b in zip(critic, model.critic.parameters()))
     model.learn(total_timesteps=4 * 3, reset_num_timesteps=False)  # full
     assert not all(torch.equal(a, b) for a, b in zip(actor, model.actor.parameters()))
+
+
+def test_earned_reach_counts_the_success_the_learner_may_see():
+    from embodied_rl.algos.residual_offpolicy import finished_successes
+
+    ended = torch.tensor([True, False, True, True])
+    episode = {"success_once": torch.tensor([True, True, False, True])}
+    assert finished_successes({"_episode": ended, "episode": episode}) == (2.0, 3.0)
+    learned = {**episode, "learned_success_once": torch.tensor([False, True, False, False])}  # reward=model:PATH
+    assert finished_successes({"_episode": ended, "episode": learned}) == (0.0, 3.0)
+    assert finished_successes({"_episode": torch.zeros(4, dtype=torch.bool), "episode": episode}) == (0.0, 0.0)
