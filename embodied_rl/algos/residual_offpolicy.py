@@ -105,13 +105,11 @@ def nstep_returns(rewards: Tensor, terminated: Tensor, truncated: Tensor, gamma:
     return returns, discount, first_done
 
 
-def finished_successes(info: dict[str, Any]) -> tuple[float, float]:
-    """(successes, episodes) of the episodes that ended at this step, summed over ranks; the
-    success the learner may see (the learned one under reward=model:PATH)."""
-    ended, episode = info["_episode"], info["episode"]
-    success = episode.get("learned_success_once", episode["success_once"])
-    counts = torch.stack([success[ended].float().sum(), ended.float().sum()]) if bool(ended.any()) else torch.zeros(2)
-    return tuple(float(v) for v in distributed.all_sum(counts.cpu()))
+def visible_success(info: dict[str, Any]) -> Tensor:
+    """Per env, the success of the episode that ended at this step as the learner may see it (the
+    learned one under reward=model:PATH); read where info["_episode"] is set."""
+    episode = info["episode"]
+    return episode.get("learned_success_once", episode["success_once"]).cpu()
 
 
 # --------------------------------------------------------------------------------------------
@@ -372,9 +370,11 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     if saved is None or saved["env"] is None:  # new episodes: a new run, or a backend without snapshots
         obs, _ = env.reset(seed=distributed.rank_seed(seed + loop.env_steps))
         base = queue.act(obs)
+        episode_regime = torch.full((num_envs,), earned.regime(warm_start.phase(loop.env_steps)))
     else:  # continue exactly where the checkpoint stopped
         env.set_state(saved["env"])
         obs, base, window = saved["obs"], saved["base"], saved["window"]
+        episode_regime = saved.get("episode_regime", torch.full((num_envs,), EarnedReach.IGNORED))
         queue.load_state_dict(saved["queue"])
         if shaping is not None:
             shaping.load_state(saved["shaping"])
@@ -392,7 +392,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         return {"env": env_snapshot(env), "obs": obs, "base": base, "window": window, "queue": queue.state_dict(),
                 "demo_generator": demo_generator.get_state(), "pending_updates": budget.state_dict(),
                 "replay": {"online": replay.state_dict(), "intervened": intervened.state_dict()},
-                "earned_reach": earned.state_dict(),
+                "earned_reach": earned.state_dict(), "episode_regime": episode_regime,
                 **takeover.state_dict(), **({"shaping": shaping.state()} if shaping is not None else {})}
 
     loop.start(f"finetune {algo.name}")
@@ -405,7 +405,9 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         next_obs, reward, terminated, truncated, info = env.step(action)
         done = terminated | truncated
         takeover.after_step(reward, done, info)
-        earned.record(phase, *finished_successes(info))
+        ended = info["_episode"].cpu()
+        earned.record(episode_regime[ended], visible_success(info)[ended])
+        episode_regime[done.cpu()] = earned.regime(phase)  # the episodes that start at the next step
         final_obs = where_obs(done, info["final_obs"], next_obs)
         bootstrap_base = queue.peek(final_obs, done)  # what the base policy would do at final_obs
         queue.reset(done.cpu())

@@ -27,6 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch import Tensor
+
+from embodied_rl import distributed
 from embodied_rl.errors import UserError
 
 WARMUP, CRITIC, FULL = "warmup", "critic", "full"
@@ -84,6 +88,9 @@ class EarnedReach:
         success below baseline - margin -> the cap shrinks by REACH_STEP (down to FIRST_REACH),
         else it stays.
     The cap starts at `free_reach`: up to there the ramp alone sets the reach (1.0: no cap).
+    Each episode counts for the regime it started in (`regime`: the critic-only phase, or the
+    full phase under the cap of its start), once it ends: counting episodes by when they end
+    would favour the short, successful ones at the start of a regime and the long failures after it.
     Why: on a task BC already solves, a residual at full reach follows the critic's slope into
     misses the critic cannot see (Meta-World peg-insert-side, .96 -> .46 at scale 0.5; .96 held at
     0.2), while a task far from solved needs the full reach (tabletop peg_insert: 0.5). Success,
@@ -94,10 +101,13 @@ class EarnedReach:
     free_reach: float = 1.0
     window: int = 50
 
+    IGNORED, BASELINE = -1, 0  # regimes: warm-up episodes count for nothing; critic-only ones are the baseline
+
     def __post_init__(self) -> None:
         if not 0 < self.free_reach <= 1 or self.window < 1:
             raise UserError("free_reach must be in (0, 1] and reach_window >= 1")
         self.cap = self.free_reach
+        self.full_regime = 1  # the regime of full-phase episodes started under the present cap
         self.counts = {"baseline": [0.0, 0.0], "window": [0.0, 0.0]}  # [successes, episodes]
 
     @property
@@ -105,32 +115,48 @@ class EarnedReach:
         successes, episodes = self.counts["baseline"]
         return successes / episodes if episodes else None
 
-    def record(self, phase: str, successes: float, episodes: float) -> None:
-        """Episodes finished at this step (all ranks) in `phase`; a full window moves the cap."""
-        if self.free_reach == 1.0 or episodes == 0 or phase == WARMUP:
+    def regime(self, phase: str) -> int:
+        """The regime an episode starting now belongs to."""
+        if self.free_reach == 1.0 or phase == WARMUP:
+            return self.IGNORED
+        return self.BASELINE if phase == CRITIC else self.full_regime
+
+    def record(self, regimes: Tensor, successes: Tensor) -> None:
+        """Episodes that ended (their regimes and successes, this rank's); a full window moves the cap."""
+        if self.free_reach == 1.0:
             return
-        counts = self.counts["baseline" if phase == CRITIC else "window"]
-        counts[0] += successes
-        counts[1] += episodes
-        if phase == CRITIC or counts[1] < self.window:
+        counts = torch.stack([successes[regimes == self.BASELINE].float().sum(), (regimes == self.BASELINE).float().sum(),
+                              successes[regimes == self.full_regime].float().sum(),
+                              (regimes == self.full_regime).float().sum()])
+        baseline_successes, baseline_episodes, successes_now, episodes_now = distributed.all_sum(counts).tolist()
+        self.counts["baseline"][0] += baseline_successes
+        self.counts["baseline"][1] += baseline_episodes
+        window = self.counts["window"]
+        window[0] += successes_now
+        window[1] += episodes_now
+        if window[1] < self.window:
             return
-        rate, n = counts[0] / counts[1], counts[1]
+        rate, n = window[0] / window[1], window[1]
         if self.baseline is None:  # no critic-only phase: the first full window is the baseline
-            self.counts["baseline"] = list(counts)
+            self.counts["baseline"] = list(window)
         else:
             base, m = self.baseline, self.counts["baseline"][1]
             margin = max(2.0 * (base * (1 - base) / m + rate * (1 - rate) / n) ** 0.5, 1.0 / n)
+            cap = self.cap
             if rate > base + margin:
                 self.cap = min(1.0, self.cap + REACH_STEP)
             elif rate < base - margin:
                 self.cap = max(FIRST_REACH, self.cap - REACH_STEP)
+            if self.cap != cap:  # episodes under way started under the old cap: they count for nothing
+                self.full_regime += 1
         self.counts["window"] = [0.0, 0.0]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cap": self.cap, "counts": {key: list(value) for key, value in self.counts.items()}}
+        return {"cap": self.cap, "full_regime": self.full_regime,
+                "counts": {key: list(value) for key, value in self.counts.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.cap = float(state["cap"])
+        self.cap, self.full_regime = float(state["cap"]), int(state["full_regime"])
         self.counts = {key: list(value) for key, value in state["counts"].items()}
 
 

@@ -54,46 +54,58 @@ def test_a_ramped_td3_learner_explores_at_the_full_scale():
     assert float(residual.abs().max()) <= algo.residual_scale
 
 
+def ended(earned, regime, successes, episodes):
+    """`episodes` episodes of `regime` end, `successes` of them successful."""
+    earned.record(torch.full((episodes,), regime), torch.arange(episodes) < successes)
+
+
 def test_reach_past_the_free_part_is_earned_by_success_and_lost_by_harm():
     earned = EarnedReach(free_reach=0.4, window=50)
-    earned.record(WARMUP, 50, 50)  # the warm-up (no exploration noise) is not the baseline
+    assert earned.regime(WARMUP) == EarnedReach.IGNORED and earned.regime(CRITIC) == EarnedReach.BASELINE
+    ended(earned, earned.regime(WARMUP), 50, 50)  # warm-up episodes (no exploration noise) are not the baseline
     for _ in range(10):
-        earned.record(CRITIC, 6, 10)
+        ended(earned, earned.regime(CRITIC), 6, 10)
     assert earned.baseline == 0.6 and earned.cap == 0.4
+    full = earned.regime(FULL)
     # margin: 2 sqrt(.24/100 + r(1-r)/50); 0.7 lies within it, 0.9 above, 0.4 below
-    earned.record(FULL, 35, 50)
-    assert earned.cap == 0.4
-    earned.record(FULL, 45, 50)
+    ended(earned, full, 35, 50)
+    assert earned.cap == 0.4 and earned.regime(FULL) == full
+    ended(earned, full, 45, 50)
     assert earned.cap == pytest.approx(0.6)
-    earned.record(FULL, 20, 30)  # an unfinished window gives no verdict
+    ended(earned, full, 0, 30)  # started under the old cap: they count for nothing
+    assert earned.counts["window"] == [0.0, 0.0]
+    full = earned.regime(FULL)
+    ended(earned, full, 20, 30)  # an unfinished window gives no verdict
     assert earned.cap == pytest.approx(0.6)
-    earned.record(FULL, 0, 20)  # 20 / 50 = 0.4
+    ended(earned, full, 0, 20)  # 20 / 50 = 0.4
     assert earned.cap == pytest.approx(0.4)
     for _ in range(5):
-        earned.record(FULL, 50, 50)
+        ended(earned, earned.regime(FULL), 50, 50)
     assert earned.cap == 1.0
     for _ in range(10):
-        earned.record(FULL, 0, 50)
+        ended(earned, earned.regime(FULL), 0, 50)
     assert earned.cap == FIRST_REACH
+    ended(earned, EarnedReach.BASELINE, 40, 40)  # critic-only episodes that end late still join the baseline
+    assert earned.counts["baseline"] == [100.0, 140.0]
     restored = EarnedReach(free_reach=0.4, window=50)
     restored.load_state_dict(earned.state_dict())
-    assert restored.cap == earned.cap and restored.counts == earned.counts
+    assert (restored.cap, restored.counts, restored.full_regime) == (earned.cap, earned.counts, earned.full_regime)
 
 
 def test_a_solved_task_keeps_its_free_reach_and_without_a_critic_phase_the_first_window_is_the_baseline():
     solved = EarnedReach(free_reach=0.4, window=10)
-    solved.record(CRITIC, 40, 40)
+    ended(solved, EarnedReach.BASELINE, 40, 40)
     for _ in range(5):
-        solved.record(FULL, 10, 10)  # cannot beat a baseline of 1
+        ended(solved, solved.regime(FULL), 10, 10)  # cannot beat a baseline of 1
     assert solved.cap == 0.4
-    solved.record(FULL, 6, 10)  # 0.6 < 1 - 2 sqrt(0.024): harm (0.8 lies within the margin)
+    ended(solved, solved.regime(FULL), 6, 10)  # 0.6 < 1 - 2 sqrt(0.024): harm (0.8 lies within the margin)
     assert solved.cap == pytest.approx(0.2)
     direct = EarnedReach(free_reach=0.4, window=10)
-    direct.record(FULL, 2, 10)
+    ended(direct, direct.regime(FULL), 2, 10)
     assert direct.baseline == 0.2 and direct.cap == 0.4
     off = EarnedReach(free_reach=1.0, window=10)
-    off.record(CRITIC, 0, 10)
-    off.record(FULL, 0, 10)
+    assert off.regime(CRITIC) == off.regime(FULL) == EarnedReach.IGNORED
+    ended(off, EarnedReach.BASELINE, 0, 10)
     assert off.cap == 1.0 and off.baseline is None
 
 
@@ -120,11 +132,9 @@ def test_dsrl_actor_fixed_in_warmup_and_critic_only(variant):
 
 
 def test_earned_reach_counts_the_success_the_learner_may_see():
-    from embodied_rl.algos.residual_offpolicy import finished_successes
+    from embodied_rl.algos.residual_offpolicy import visible_success
 
-    ended = torch.tensor([True, False, True, True])
     episode = {"success_once": torch.tensor([True, True, False, True])}
-    assert finished_successes({"_episode": ended, "episode": episode}) == (2.0, 3.0)
+    assert visible_success({"episode": episode}).tolist() == [True, True, False, True]
     learned = {**episode, "learned_success_once": torch.tensor([False, True, False, False])}  # reward=model:PATH
-    assert finished_successes({"_episode": ended, "episode": learned}) == (0.0, 3.0)
-    assert finished_successes({"_episode": torch.zeros(4, dtype=torch.bool), "episode": episode}) == (0.0, 0.0)
+    assert visible_success({"episode": learned}).tolist() == [False, True, False, False]
