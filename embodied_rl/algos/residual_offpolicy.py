@@ -364,6 +364,8 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
 
     loop = FinetuneLoop(cfg, run, EnvEvaluation(cfg, run, make_agent, policy.env_options()))
     saved = loop.resume({"learner": learner}, learner.optimizers(), write_agent)
+    if saved is not None and "earned_reach" in saved:
+        earned.load_state_dict(saved["earned_reach"])
     queue = PolicyRunner(policy, num_envs, seed=distributed.rank_seed(seed))
     window: list[dict[str, Tensor]] = []  # the last n_step steps, whose n-step returns are not complete yet
     stats: dict[str, float] = {}
@@ -385,8 +387,6 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
             replay.load_state_dict(saved["replay"]["online"])
             intervened.load_state_dict(saved["replay"]["intervened"])
         takeover.load_state_dict(saved)
-        if "earned_reach" in saved:
-            earned.load_state_dict(saved["earned_reach"])
 
     def loop_state() -> dict[str, Any]:
         return {"env": env_snapshot(env), "obs": obs, "base": base, "window": window, "queue": queue.state_dict(),
