@@ -57,6 +57,8 @@ from embodied_rl.algos.common import (
     reward_settings,
     training_reward,
 )
+from embodied_rl.algos.residual_offpolicy import visible_success
+from embodied_rl.algos.wsrl import CRITIC, FIRST_REACH, FULL, EarnedReach
 from embodied_rl.envs.api import step_chunk
 from embodied_rl.errors import UserError
 from embodied_rl.policies.base import Obs
@@ -107,6 +109,7 @@ class PPOConfig(AlgoConfig):
     vf_coef: float
     base_reg_coef: float
     base_reg_decay_steps: int | None  # the regulariser's weight falls linearly to 0 over these env steps; None = constant
+    base_reg_window: int | None  # the anchor lets go only as training success earns it, judged every this many episodes
     target_kl: float | None
     critic_warmup_iters: int
     norm_adv: bool
@@ -138,6 +141,9 @@ class PPOConfig(AlgoConfig):
              "> 0 env steps or null"),
             ("base_reg_decay_steps", self.base_reg_decay_steps is None or self.base_reg_coef > 0,
              "null unless algo.base_reg_coef > 0 (it schedules that regulariser)"),
+            ("base_reg_window", self.base_reg_window is None or self.base_reg_window >= 1, ">= 1 episodes or null"),
+            ("base_reg_window", self.base_reg_window is None or (self.base_reg_coef > 0 and not grpo),
+             "null unless algo.base_reg_coef > 0 and PPO (it releases that regulariser by training success)"),
             ("target_kl", self.target_kl is None or self.target_kl > 0, "> 0 or null"),
             ("critic_warmup_iters", self.critic_warmup_iters >= 0, ">= 0"),
             ("max_grad_norm", self.max_grad_norm > 0, "> 0"),
@@ -178,10 +184,10 @@ def mdp_step(env, henv, actor, obs):
 
 
 def collect_ppo(env, henv, actor, obs, num_steps: int, loop: FinetuneLoop, sparse_reward: bool = False,
-                shaping: PotentialShaping | None = None, bootstrap_truncation: bool = True):
+                shaping: PotentialShaping | None = None, bootstrap_truncation: bool = True, on_episodes=None):
     """`num_steps` MDP steps of every env. Returns (batch dict [T, N, ...], next obs).
     Finished episodes (the env's own return and success) go to `loop`, which also counts the env
-    steps; the batch holds the training reward. `bootstrap_truncation=False` gives a time-limited
+    steps, and to `on_episodes(done, info)` where given; the batch holds the training reward. `bootstrap_truncation=False` gives a time-limited
     episode no value after its last step (the time limit is part of the task: success must come
     before it)."""
     rows = []
@@ -196,6 +202,8 @@ def collect_ppo(env, henv, actor, obs, num_steps: int, loop: FinetuneLoop, spars
             if not bootstrap_truncation:
                 next_value[truncated] = 0.0
         loop.advance(env.num_envs * steps_per_mdp, info)
+        if on_episodes is not None and bool(done.any()):
+            on_episodes(done, info)
         train_reward = training_reward(reward, info, sparse_reward)
         if shaping is not None:
             train_reward = train_reward + shaping(reward, done)
@@ -302,6 +310,20 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         anchor = copy.deepcopy(actor).requires_grad_(False)
         modules["anchor"] = anchor
     saved = loop.resume(modules, {"optimizer": optimizer}, actor.save)
+    # the earned anchor: after its schedule, the anchor keeps the weight coef * (1 - release); the
+    # release starts near 0 and grows (or shrinks) with the success of the training episodes against
+    # those of the critic warm-up, which the untouched actor ran (EarnedReach's verdicts)
+    earned = EarnedReach(FIRST_REACH, algo.base_reg_window) if algo.base_reg_window else None
+    episode_regime = torch.full((num_envs,), EarnedReach.IGNORED)
+    if earned is not None and saved is not None and "earned_anchor" in saved:
+        earned.load_state_dict(saved["earned_anchor"])
+        episode_regime = saved["episode_regime"]
+
+    def record_episodes(done: torch.Tensor, info: dict[str, Any]) -> None:
+        ended = done.cpu()
+        earned.record(episode_regime[ended], visible_success(info)[ended])
+        critic_phase = loop.counters["iteration"] < algo.critic_warmup_iters
+        episode_regime[ended] = earned.regime(CRITIC if critic_phase else FULL)  # the episodes starting now
 
     # ---- the env; chunk actors see obs histories kept by HistoryEnv ----
     history = ObsHistory(actor.n_obs_steps)
@@ -309,6 +331,8 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     if saved is None or saved["env"] is None:  # new episodes: a new run, or a backend without snapshots
         obs, _ = henv.reset(seed=distributed.rank_seed(int(cfg.seed) + loop.env_steps))
         actor.reset(torch.ones(num_envs, dtype=torch.bool))
+        if earned is not None and loop.counters["iteration"] < algo.critic_warmup_iters:
+            episode_regime[:] = EarnedReach.BASELINE
     else:  # continue exactly where the checkpoint stopped: same env states, histories, queues
         env.set_state(saved["env"])
         obs, history.buffer = map_obs(lambda o: o.to(device), saved["obs"]), saved["history"]
@@ -323,6 +347,8 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
                  "replay_rollouts": replay}
         if shaping is not None:
             state["shaping"] = shaping.state()
+        if earned is not None:
+            state["earned_anchor"], state["episode_regime"] = earned.state_dict(), episode_regime
         return state
 
     loop.start(f"finetune {algo.name}")
@@ -337,7 +363,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
             loop.record_episodes(stats["returns"], stats["successes"], learned_successes=stats["learned_successes"])
         else:
             batch, obs = collect_ppo(env, henv, actor, obs, algo.num_steps, loop, rewards.sparse, shaping,
-                                     rewards.bootstrap_truncation)
+                                     rewards.bootstrap_truncation, record_episodes if earned is not None else None)
             advantages, returns = core.gae(batch["reward"], batch["value"], batch["next_value"],
                                            batch["terminated"], batch["truncated"], algo.gamma, algo.gae_lambda)
             batch["advantage"], batch["return"] = advantages, returns
@@ -377,6 +403,8 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         base_reg = algo.base_reg_coef  # a decaying anchor holds the first updates near the base, then lets go
         if algo.base_reg_decay_steps is not None:
             base_reg *= max(0.0, 1.0 - steps_before / algo.base_reg_decay_steps)
+        if earned is not None:
+            base_reg = max(base_reg, algo.base_reg_coef * (1.0 - earned.cap))
         if algo.anneal_lr:  # linear decay to 0 at the last iteration (CleanRL's anneal_lr); resumes exactly
             remaining = 1.0 - loop.counters["iteration"] / iterations
             for group, initial_lr in zip(optimizer.param_groups, initial_lrs):
@@ -469,6 +497,8 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
                     "train/replayed_rows": float(batch_size - fresh)})
         if first_ratio_dev is not None:
             log["train/first_minibatch_ratio_dev"] = first_ratio_dev
+        if earned is not None:
+            log["train/anchor_release"] = earned.cap
         if grpo:
             log["train/informative_groups"] = stats["informative_groups"]
         elif value_fit is not None:

@@ -295,6 +295,29 @@ def test_a_decaying_anchor_falls_linearly_to_zero(checkpoints, tmp_path):  # noq
     assert "train/base_kl" not in rows[2]
 
 
+@pytest.mark.e2e
+def test_an_earned_anchor_keeps_its_weight_until_training_success_releases_it(checkpoints, tmp_path):  # noqa: F811
+    """base_reg_window: after the schedule the weight is base_reg_coef * (1 - release), the release
+    starting at 0.05 and moved by windows of training episodes against the critic warm-up's."""
+    assert main(["finetune", f"checkpoint={checkpoints / 'flow'}", "env_steps=320", "eval_every=0",
+                 f"run_dir={tmp_path}", *TINY, *RESIDUAL, "algo.base_reg_coef=0.5", "algo.base_reg_decay_steps=64",
+                 "algo.critic_warmup_iters=1", "algo.base_reg_window=1"]) == 0
+    rows = [row for row in read_metrics(tmp_path) if "train/base_reg_coef" in row]
+    schedule = [0.5 * max(0.0, 1 - 32 * i / 64) for i in range(len(rows))]
+    releases = [row["train/anchor_release"] for row in rows]
+    assert all(0.05 <= release <= 1 for release in releases) and releases[0] == 0.05
+    assert [row["train/base_reg_coef"] for row in rows] == pytest.approx(
+        [max(s, 0.5 * (1 - r)) for s, r in zip(schedule, releases)])
+    assert rows[-1]["train/base_reg_coef"] > 0  # past the schedule the anchor still holds what is not earned
+
+
+def test_an_earned_anchor_needs_ppo_and_the_regulariser(checkpoints, tmp_path, capsys):  # noqa: F811
+    assert main(["finetune", f"checkpoint={checkpoints / 'flow'}", f"run_dir={tmp_path / 'r'}", *TINY,
+                 *RESIDUAL, "algo.base_reg_coef=0", "algo.base_reg_decay_steps=null", "algo.base_reg_window=50"]) == 2
+    assert "algo.base_reg_window must be null unless algo.base_reg_coef > 0" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_decay_needs_the_regulariser_it_schedules(checkpoints, tmp_path, capsys):  # noqa: F811
     assert main(["finetune", f"checkpoint={checkpoints / 'flow'}", f"run_dir={tmp_path / 'r'}", *TINY,
                  "algo.base_reg_coef=0", "algo.base_reg_decay_steps=1000"]) == 2
