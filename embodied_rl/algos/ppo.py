@@ -57,8 +57,7 @@ from embodied_rl.algos.common import (
     reward_settings,
     training_reward,
 )
-from embodied_rl.algos.residual_offpolicy import visible_success
-from embodied_rl.algos.wsrl import CRITIC, FIRST_REACH, FULL, EarnedReach
+from embodied_rl.algos.wsrl import CRITIC, FIRST_REACH, FULL, EarnedReach, visible_success
 from embodied_rl.envs.api import step_chunk
 from embodied_rl.errors import UserError
 from embodied_rl.policies.base import Obs
@@ -187,9 +186,9 @@ def collect_ppo(env, henv, actor, obs, num_steps: int, loop: FinetuneLoop, spars
                 shaping: PotentialShaping | None = None, bootstrap_truncation: bool = True, on_episodes=None):
     """`num_steps` MDP steps of every env. Returns (batch dict [T, N, ...], next obs).
     Finished episodes (the env's own return and success) go to `loop`, which also counts the env
-    steps, and to `on_episodes(done, info)` where given; the batch holds the training reward. `bootstrap_truncation=False` gives a time-limited
-    episode no value after its last step (the time limit is part of the task: success must come
-    before it)."""
+    steps, and to `on_episodes(done, info)` where given; the batch holds the training reward.
+    `bootstrap_truncation=False` gives a time-limited episode no value after its last step (the
+    time limit is part of the task: success must come before it)."""
     rows = []
     steps_per_mdp = actor.n_action_steps if actor.chunked else 1
     for _ in range(num_steps):

@@ -72,7 +72,7 @@ from embodied_rl.algos.offpolicy import (
     polyak,
     random_pair_min,
 )
-from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, EarnedReach, WarmStart
+from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, EarnedReach, WarmStart, visible_success
 from embodied_rl.errors import UserError
 from embodied_rl.policies import PolicyRunner
 from embodied_rl.policies.base import Obs
@@ -103,13 +103,6 @@ def nstep_returns(rewards: Tensor, terminated: Tensor, truncated: Tensor, gamma:
     terminal = terminated.gather(0, first_done[None]).squeeze(0)
     discount = gamma ** (first_done + 1).to(rewards.dtype) * (~terminal).to(rewards.dtype)
     return returns, discount, first_done
-
-
-def visible_success(info: dict[str, Any]) -> Tensor:
-    """Per env, the success of the episode that ended at this step as the learner may see it (the
-    learned one under reward=model:PATH); read where info["_episode"] is set."""
-    episode = info["episode"]
-    return episode.get("learned_success_once", episode["success_once"]).cpu()
 
 
 # --------------------------------------------------------------------------------------------

@@ -160,6 +160,13 @@ class EarnedReach:
         self.counts = {key: list(value) for key, value in state["counts"].items()}
 
 
+def visible_success(info: dict[str, Any]) -> Tensor:
+    """Per env, the success of the episode that ended at this step as the learner may see it (the
+    learned one under reward=model:PATH); read where info["_episode"] is set."""
+    episode = info["episode"]
+    return episode.get("learned_success_once", episode["success_once"]).cpu()
+
+
 def check_actor_trains(cfg: Any) -> None:
     """Refuse a run whose env_steps end before the actor's first update (warm-up plus
     critic-only phase, where the algo has them): it would save its base policy, untouched, as

@@ -132,7 +132,7 @@ def test_dsrl_actor_fixed_in_warmup_and_critic_only(variant):
 
 
 def test_earned_reach_counts_the_success_the_learner_may_see():
-    from embodied_rl.algos.residual_offpolicy import visible_success
+    from embodied_rl.algos.wsrl import visible_success
 
     episode = {"success_once": torch.tensor([True, True, False, True])}
     assert visible_success({"episode": episode}).tolist() == [True, True, False, True]
