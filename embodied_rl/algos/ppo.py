@@ -318,11 +318,13 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         earned.load_state_dict(saved["earned_anchor"])
         episode_regime = saved["episode_regime"]
 
+    def starting_regime() -> int:  # the regime of an episode that starts now
+        return earned.regime(CRITIC if loop.counters["iteration"] < algo.critic_warmup_iters else FULL)
+
     def record_episodes(done: torch.Tensor, info: dict[str, Any]) -> None:
         ended = done.cpu()
         earned.record(episode_regime[ended], visible_success(info)[ended])
-        critic_phase = loop.counters["iteration"] < algo.critic_warmup_iters
-        episode_regime[ended] = earned.regime(CRITIC if critic_phase else FULL)  # the episodes starting now
+        episode_regime[ended] = starting_regime()
 
     # ---- the env; chunk actors see obs histories kept by HistoryEnv ----
     history = ObsHistory(actor.n_obs_steps)
@@ -330,8 +332,8 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     if saved is None or saved["env"] is None:  # new episodes: a new run, or a backend without snapshots
         obs, _ = henv.reset(seed=distributed.rank_seed(int(cfg.seed) + loop.env_steps))
         actor.reset(torch.ones(num_envs, dtype=torch.bool))
-        if earned is not None and loop.counters["iteration"] < algo.critic_warmup_iters:
-            episode_regime[:] = EarnedReach.BASELINE
+        if earned is not None:
+            episode_regime[:] = starting_regime()
     else:  # continue exactly where the checkpoint stopped: same env states, histories, queues
         env.set_state(saved["env"])
         obs, history.buffer = map_obs(lambda o: o.to(device), saved["obs"]), saved["history"]
