@@ -29,18 +29,25 @@ LOG_STD_MIN, LOG_STD_MAX = -5.0, 1.0
 
 
 class ResidualPolicyNet(nn.Module):
-    """r = scale * tanh(u), u from an MLP on [obs, base action]; zero-initialised last layer.
+    """r = scale * tanh(u) * dims, u from an MLP on [obs, base action]; zero-initialised last layer.
 
     stochastic=True (SAC): u ~ N(mu, exp(log_std)), `sample` returns (r, log_prob) with the tanh
     correction. stochastic=False (TD3): u = mu and `sample` returns (r, zeros).
+    `dims` (1 or 0 per action dim; default all 1) switches the residual off on the dims it may not
+    move: those the demonstrations hold constant (algos/residual_offpolicy.py `residual_dims`).
     """
 
     def __init__(self, obs_dim: int, action_dim: int, hidden_sizes: list[int], scale: float,
-                 stochastic: bool = True, init_std: float = 0.3):
+                 stochastic: bool = True, init_std: float = 0.3, dims: list[float] | None = None):
         super().__init__()
         self.action_dim = action_dim
         self.scale = float(scale)
         self.stochastic = stochastic
+        dims = [1.0] * action_dim if dims is None else [float(d) for d in dims]
+        if len(dims) != action_dim:
+            raise ValueError(f"residual_dims has {len(dims)} entries for {action_dim} action dims")
+        # not in the state dict: agent.json carries it (checkpoints without it move every dim)
+        self.register_buffer("dims", torch.tensor(dims), persistent=False)
         self.trunk = layer_norm_mlp(obs_dim + action_dim, 2 * action_dim if stochastic else action_dim, hidden_sizes)
         last = self.trunk[-1]
         nn.init.zeros_(last.weight)
@@ -59,16 +66,16 @@ class ResidualPolicyNet(nn.Module):
     def forward(self, obs: Tensor, base: Tensor) -> Tensor:
         """The deterministic residual (evaluation)."""
         mean, _ = self._head(obs, base)
-        return self.scale * torch.tanh(mean)
+        return self.scale * torch.tanh(mean) * self.dims
 
     def sample(self, obs: Tensor, base: Tensor) -> tuple[Tensor, Tensor]:
         mean, log_std = self._head(obs, base)
         if log_std is None:
-            return self.scale * torch.tanh(mean), torch.zeros(len(obs), device=obs.device)
+            return self.scale * torch.tanh(mean) * self.dims, torch.zeros(len(obs), device=obs.device)
         std = log_std.exp()
         u = mean + std * torch.randn_like(mean)
         log_prob = torch.distributions.Normal(mean, std).log_prob(u) - torch.log(1 - torch.tanh(u) ** 2 + 1e-6)
-        return self.scale * torch.tanh(u), log_prob.sum(-1)
+        return self.scale * torch.tanh(u) * self.dims, (log_prob * self.dims).sum(-1)  # a switched-off dim has no entropy
 
 
 class ResidualAgent:
@@ -96,7 +103,7 @@ def make_residual_net(config: dict[str, Any]) -> ResidualPolicyNet:
     checkpoints written before the key was renamed call it "actor")."""
     learner = config["learner"] if "learner" in config else config["actor"]
     return ResidualPolicyNet(config["obs_dim"], config["action_dim"], list(config["hidden_sizes"]),
-                             config["residual_scale"], stochastic=learner == "sac")
+                             config["residual_scale"], stochastic=learner == "sac", dims=config.get("residual_dims"))
 
 
 def residual_tensors(net: ResidualPolicyNet, critic: nn.Module) -> dict[str, Tensor]:

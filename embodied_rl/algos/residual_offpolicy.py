@@ -66,6 +66,7 @@ from embodied_rl.algos.offpolicy import (
     actor_q,
     critic_and_target,
     critic_step,
+    demo_action_dims,
     demo_transitions,
     find_demo_path,
     load_demos,
@@ -117,6 +118,7 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
 
     learner: str               # td3 | sac
     residual_scale: float
+    residual_dims: str         # demos: only the action dims the demonstrations move | all
     residual_penalty: float
     actor_q: str               # mean | min: what of the critic ensemble the actor maximises
     normalize_obs: bool
@@ -144,6 +146,7 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
         return [
             ("learner", self.learner in ("td3", "sac"), "td3 or sac"),
             ("residual_scale", self.residual_scale > 0, "> 0"),
+            ("residual_dims", self.residual_dims in ("demos", "all"), "demos or all"),
             ("residual_penalty", self.residual_penalty >= 0, ">= 0"),
             ("actor_q", self.actor_q in ("mean", "min"), "mean or min"),
             ("actor_hidden_sizes", all(h >= 1 for h in self.actor_hidden_sizes), "a list of sizes >= 1"),
@@ -195,12 +198,14 @@ class ResidualOffPolicyLearner:
     `state_dict()` / `load_state_dict()` cover every network, target, the entropy coefficient and
     the learner's RNG (a checkpoint resumes it exactly)."""
 
-    def __init__(self, algo: ResidualOffPolicyConfig, obs_dim: int, action_dim: int, device: torch.device, seed: int):
+    def __init__(self, algo: ResidualOffPolicyConfig, obs_dim: int, action_dim: int, device: torch.device, seed: int,
+                 residual_dims: list[float] | None = None):
         self.algo, self.device = algo, device
         # the residual network's constructor arguments (agent.json)
+        residual_dims = [1.0] * action_dim if residual_dims is None else list(residual_dims)
         self.config = {"obs_dim": obs_dim, "action_dim": action_dim, "hidden_sizes": list(algo.actor_hidden_sizes),
                        "residual_scale": algo.residual_scale, "learner": algo.learner,
-                       "normalize_obs": algo.normalize_obs}
+                       "normalize_obs": algo.normalize_obs, "residual_dims": residual_dims}
         self.actor = make_residual_net(self.config).to(device)
         self.actor_target = make_residual_net(self.config).to(device).requires_grad_(False)
         self.actor_target.load_state_dict(self.actor.state_dict())
@@ -212,7 +217,7 @@ class ResidualOffPolicyLearner:
         self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=float(algo.critic_lr), foreach=True)
         self.log_alpha = torch.tensor(float(np.log(algo.init_alpha)), device=device, requires_grad=True)
         self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=float(algo.critic_lr))
-        self.target_entropy = float(algo.target_entropy) if algo.target_entropy != "auto" else -float(action_dim)
+        self.target_entropy = float(algo.target_entropy) if algo.target_entropy != "auto" else -sum(residual_dims)
         self.generator = torch.Generator().manual_seed(seed)
         self.updates = 0
 
@@ -232,7 +237,7 @@ class ResidualOffPolicyLearner:
             residual, _ = self.actor.sample(obs, base)
             if self.algo.learner == "td3":
                 full = float(self.algo.residual_scale)
-                noise = torch.randn_like(residual) * float(self.algo.exploration_noise) * full
+                noise = torch.randn_like(residual) * float(self.algo.exploration_noise) * full * self.actor.dims
                 residual = (residual + noise).clamp(-full, full)
         return residual
 
@@ -240,7 +245,7 @@ class ResidualOffPolicyLearner:
         if self.algo.learner == "td3":  # target policy smoothing
             residual = self.actor_target(obs, base)
             noise = (torch.randn_like(residual) * float(self.algo.target_noise) * self.actor.scale).clamp(
-                -0.5 * self.actor.scale, 0.5 * self.actor.scale)
+                -0.5 * self.actor.scale, 0.5 * self.actor.scale) * self.actor.dims
             return (base + residual + noise).clamp(-1, 1), torch.zeros(len(obs), device=obs.device)
         residual, log_prob = self.actor.sample(obs, base)
         return (base + residual).clamp(-1, 1), log_prob
@@ -314,7 +319,8 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     num_envs = int(env.num_envs)
     obs_dim = policy.feature_dim if algo.normalize_obs else policy.obs_dim  # the size of head_input
     action_dim = int(env.single_action_space.shape[0])
-    learner = ResidualOffPolicyLearner(algo, obs_dim, action_dim, device, seed)
+    learner = ResidualOffPolicyLearner(algo, obs_dim, action_dim, device, seed,
+                                       demo_action_dims(cfg, action_dim) if algo.residual_dims == "demos" else None)
     distributed.broadcast_modules([learner.actor, learner.actor_target, learner.critic, learner.critic_target])
     distributed.seed_rank(seed)  # the ranks explore and sample their replay with different noise
     warm_start = WarmStart(algo.warmup_env_steps, algo.critic_only_steps, algo.reach_ramp_steps)

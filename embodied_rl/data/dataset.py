@@ -122,6 +122,21 @@ def _check_instructions(path: Path, instruction: np.ndarray | None, texts: Any) 
     return list(texts)
 
 
+def read_actions(path: str | Path) -> np.ndarray:
+    """Only the actions [T, A] of a demo dataset (a pixel dataset's frames stay on disk)."""
+    import zarr
+
+    try:
+        root = zarr.open_group(str(path), mode="r")
+        if root.attrs.get("format") != FORMAT:
+            raise UserError(f"dataset '{path}' has format {root.attrs.get('format')!r}, expected {FORMAT!r}")
+        return np.asarray(root["data"]["action"][:], dtype=np.float32)
+    except UserError:
+        raise
+    except Exception as error:  # zarr raises many types for a corrupt store
+        raise UserError(f"dataset '{path}' is corrupt or not a demo dataset ({type(error).__name__}: {error})") from None
+
+
 @dataclass
 class DemoDataset:
     """A demo dataset loaded into memory (the built-in tasks' datasets are small)."""

@@ -73,6 +73,26 @@ def test_residual_actor_starts_at_zero_and_is_bounded():
     assert sampled.abs().max() <= 0.3 + 1e-6 and torch.isfinite(log_prob).all()
 
 
+def test_a_switched_off_dim_gets_no_residual_noise_or_entropy():
+    obs, base = torch.randn(64, 8), torch.randn(64, 2)
+    for stochastic in (True, False):
+        actor = ResidualPolicyNet(8, 2, [16, 16], scale=0.3, stochastic=stochastic, dims=[1.0, 0.0])
+        with torch.no_grad():
+            actor.trunk[-1].bias[:2].fill_(1.0)
+        sampled, log_prob = actor.sample(obs, base)
+        assert (actor(obs, base)[:, 1] == 0).all() and (sampled[:, 1] == 0).all() and (sampled[:, 0] != 0).all()
+        if stochastic:  # the log-likelihood is the live dim's alone
+            both = ResidualPolicyNet(8, 2, [16, 16], scale=0.3, stochastic=True)
+            both.load_state_dict(actor.state_dict())
+            torch.manual_seed(0)
+            _, one = actor.sample(obs, base)
+            torch.manual_seed(0)
+            _, two = both.sample(obs, base)
+            assert not torch.allclose(one, two)
+    with pytest.raises(ValueError, match="residual_dims"):
+        ResidualPolicyNet(8, 2, [16], scale=0.3, dims=[1.0])
+
+
 def test_the_residual_sees_the_base_policys_normalised_observation():
     policy = tiny_policy()
     with torch.no_grad():  # a normaliser that is not the identity, so the test can tell
@@ -185,6 +205,23 @@ def test_finetune_end_to_end_with_demos(tmp_path, actor):
     assert action.shape == (2, 2) and action.abs().max() <= 1.0
     phases = [row["train/phase"] for row in run.read_metrics() if "train/phase" in row]
     assert phases == sorted(phases) and phases[-1] == 2
+
+
+@pytest.mark.e2e
+def test_a_dim_the_demos_hold_constant_gets_no_residual(tmp_path):
+    demos = make_demos(tmp_path / "demos")
+    import zarr
+
+    zarr.open_group(str(demos), mode="r+")["data"]["action"][:, 1] = 0.5  # every demo step holds dim 1 at 0.5
+    for dims, expected in (("demos", [1.0, 0.0]), ("all", [1.0, 1.0])):
+        cfg = sac_cfg(tmp_path / dims, learner="td3", data=str(demos), residual_dims=dims, warmup_env_steps=40,
+                      critic_only_steps=0)
+        _, run = run_finetune(cfg)
+        path = run.file("checkpoints", "last")
+        assert json.loads((path / "agent.json").read_text())["config"]["residual_dims"] == expected
+        agent = load_agent(path, num_envs=64)
+        residual = agent.net(torch.randn(64, agent.net.trunk[0].in_features - 2), torch.randn(64, 2))
+        assert (residual[:, 1] == 0).all() == (dims == "demos") and (residual[:, 0] != 0).any()
 
 
 def test_wsrl_stages_actor_unchanged_before_full_phase(tmp_path):
