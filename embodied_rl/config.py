@@ -65,6 +65,8 @@ def _describe(value: Any) -> str:
 PER_DIM_KEYS = {"algo.actor_kwargs.action_scale"}
 # numbers that may also be "auto" (the algorithm's config checks the value)
 AUTO_OR_NUMBER_KEYS = {"algo.target_entropy", "algo.ent_coef"}
+# switches that may also be "auto" (the algorithm decides from the task)
+AUTO_OR_BOOL_KEYS = {"algo.bootstrap_truncation", "algo.clip_target_q"}
 
 
 def _check_types(reference: Any, composed: Any, overrides: list[str]) -> None:
@@ -82,6 +84,8 @@ def _check_types(reference: Any, composed: Any, overrides: list[str]) -> None:
         if key in AUTO_OR_NUMBER_KEYS:
             ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
                 isinstance(value, str) and value.startswith("auto"))
+        elif key in AUTO_OR_BOOL_KEYS:
+            ok = isinstance(value, bool) or value == "auto"
         elif isinstance(default, bool):
             ok = isinstance(value, bool)
         elif isinstance(default, int):
@@ -95,9 +99,8 @@ def _check_types(reference: Any, composed: Any, overrides: list[str]) -> None:
         else:
             ok = type(value) is type(default)
         if not ok:
-            raise UserError(
-                f"bad value for '{key}': expected {_describe(default)}, got {override.split('=', 1)[1]!r}"
-            )
+            expected = "auto, true or false" if key in AUTO_OR_BOOL_KEYS else _describe(default)
+            raise UserError(f"bad value for '{key}': expected {expected}, got {override.split('=', 1)[1]!r}")
 
 
 def compose(command: str, overrides: list[str]):

@@ -82,6 +82,11 @@ def test_resume_continues_the_run(tmp_path, bc_checkpoint, algo):
     ("algo.noise_bound=0", "noise_bound"),
     ("algo.target_entropy=lots", "target_entropy"),
     ("algo.reward=dense", "algo.reward"),
+    ("algo.eval_noise=median", "algo.eval_noise must be sample or mean"),
+    ("algo.activation=gelu", "algo.activation must be relu or tanh"),
+    ("algo.bootstrap_truncation=sometimes", "'algo.bootstrap_truncation': expected auto, true or false"),
+    ("algo.clip_target_q=maybe", "'algo.clip_target_q': expected auto, true or false"),
+    ("algo.clip_target_q=true", "algo.clip_target_q must be auto or false, got True"),
 ])
 def test_bad_dsrl_config_exits_2(tmp_path, capsys, bc_checkpoint, override, message):
     args = finetune_args("dsrl", bc_checkpoint, tmp_path / "ft") + [override]

@@ -38,6 +38,8 @@ from embodied_rl.policies.runner import (
 )
 
 AGENT_KIND = "dsrl"
+# hidden activations of the noise actor and critics (DSRL's code: Tanh, bounded where data is thin)
+ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh}
 
 
 class _RecordObs:
@@ -71,7 +73,9 @@ class LatentNoiseVecEnv(VecEnv):
     history are kept here, the history reset per env when its episode ends). reward: the sum over the
     executed part of the chunk (step_chunk), or with `sparse_reward` 1 where the chunk ended in
     success and 0 otherwise. An env that finishes mid-chunk reports done with
-    `terminal_observation` and `TimeLimit.truncated` (SB3 semantics) and starts a fresh episode.
+    `terminal_observation` and starts a fresh episode; a time limit is reported as
+    `TimeLimit.truncated` (SB3 then bootstraps from the terminal observation) only with
+    `bootstrap_truncation`, else it ends the episode like a termination.
 
     Counters: `env_steps` (simulator steps taken, all envs), `sampler_calls` (predict_chunk
     calls). info of every env holds "executed_chunk" [Ha*A], "base_cond" [policy.cond_dim] (the
@@ -81,13 +85,14 @@ class LatentNoiseVecEnv(VecEnv):
     """
 
     def __init__(self, env: Any, policy: Any, noise_bound: float = 1.5, seed: int | None = None,
-                 sparse_reward: bool = False):
+                 sparse_reward: bool = False, bootstrap_truncation: bool = True):
         if noise_bound <= 0:
             raise UserError(f"noise_bound must be > 0, got {noise_bound}")
         self.env = env
         self.policy = policy
         self.noise_bound = float(noise_bound)
         self.sparse_reward = bool(sparse_reward)
+        self.bootstrap_truncation = bool(bootstrap_truncation)
         self.noise_shape = tuple(int(s) for s in policy.noise_shape)
         self.n_action_steps = int(policy.n_action_steps)
         self.history = ObsHistory(int(policy.n_obs_steps))
@@ -167,7 +172,8 @@ class LatentNoiseVecEnv(VecEnv):
             }
             if done_np[i]:
                 item["terminal_observation"] = final_features[i]
-                item["TimeLimit.truncated"] = bool(truncated[i]) and not bool(terminated[i])
+                timeout = bool(truncated[i]) and not bool(terminated[i])
+                item["TimeLimit.truncated"] = timeout and self.bootstrap_truncation
                 if "return" in episode:
                     item["episode"] = {"r": float(episode["return"][i]), "l": int(episode["length"][i])}
                     self.episode_returns.append(float(episode["return"][i]))
@@ -243,9 +249,11 @@ class LayerNormSACPolicy(SACPolicy):
         return critic
 
 
-def make_noise_critic(obs_dim: int, action_dim: int, net_arch: list[int], n_critics: int) -> nn.ModuleList:
+def make_noise_critic(obs_dim: int, action_dim: int, net_arch: list[int], n_critics: int,
+                      activation: str = "relu") -> nn.ModuleList:
     """An ensemble of LayerNorm Q networks Q(s, x) (DSRL-NA's action-space critic)."""
-    return nn.ModuleList(layer_norm_mlp(obs_dim + action_dim, 1, list(net_arch), nn.ReLU) for _ in range(n_critics))
+    return nn.ModuleList(layer_norm_mlp(obs_dim + action_dim, 1, list(net_arch), ACTIVATIONS[activation])
+                         for _ in range(n_critics))
 
 
 # --------------------------------------------------------------------------------------------
@@ -256,9 +264,9 @@ def make_noise_critic(obs_dim: int, action_dim: int, net_arch: list[int], n_crit
 class NoiseActorAgent(ChunkExecutor):
     """Noise actor + frozen base policy as an agent: `reset(mask)`, `act(obs) -> [N, A]`.
 
-    A ChunkExecutor: an env whose queue is empty draws its noise from the actor (its mean,
-    squashed and scaled to [-m, m]) at its latest observation and samples one chunk with the
-    base policy from its obs history.
+    A ChunkExecutor: an env whose queue is empty draws its noise from the actor at its latest
+    observation (a sample of its squashed Gaussian, or with `deterministic` its mean, scaled to
+    [-m, m]) and samples one chunk with the base policy from its obs history.
     """
 
     def __init__(self, actor: nn.Module, policy: Any, num_envs: int, noise_bound: float, deterministic: bool = True,
@@ -296,22 +304,26 @@ class _ScaledActor(nn.Module):
         return self.sb3_actor(obs, deterministic=deterministic) * self.noise_bound
 
 
-def make_sb3_policy(obs_dim: int, noise_dim: int, noise_bound: float, net_arch: list[int], n_critics: int = 2) -> LayerNormSACPolicy:
+def make_sb3_policy(obs_dim: int, noise_dim: int, noise_bound: float, net_arch: list[int], n_critics: int = 2,
+                    activation: str = "relu") -> LayerNormSACPolicy:
     observation_space = gymnasium.spaces.Box(-np.inf, np.inf, (obs_dim,), np.float32)
     action_space = gymnasium.spaces.Box(-noise_bound, noise_bound, (noise_dim,), np.float32)
     return LayerNormSACPolicy(
-        observation_space, action_space, lr_schedule=lambda _: 3e-4, net_arch=list(net_arch), n_critics=n_critics
+        observation_space, action_space, lr_schedule=lambda _: 3e-4, net_arch=list(net_arch), n_critics=n_critics,
+        activation_fn=ACTIVATIONS[activation],
     )
 
 
 def build_noise_agent(checkpoint: AgentCheckpoint, num_envs: int) -> NoiseActorAgent:
-    """The evaluation agent of a "dsrl" checkpoint (DSRL and DSRL-NA): the noise actor's mean."""
+    """The evaluation agent of a "dsrl" checkpoint (DSRL and DSRL-NA): the noise actor sampled, or its
+    mean (`eval_noise` in agent.json; checkpoints written before the key evaluated the mean)."""
     config = checkpoint.config
     noise_bound = config["noise_bound"]
     sb3_policy = make_sb3_policy(config["obs_dim"], int(np.prod(config["noise_shape"])), noise_bound,
-                                 config["net_arch"], config["n_critics"])
+                                 config["net_arch"], config["n_critics"], config.get("activation", "relu"))
     sb3_policy.load_state_dict(checkpoint.tensors)
     sb3_policy = sb3_policy.to(checkpoint.base_policy.device).eval()
     # checkpoints written before the noise actor read the policy's features have no obs_features
     return NoiseActorAgent(_ScaledActor(sb3_policy.actor, noise_bound), checkpoint.base_policy, num_envs, noise_bound,
+                           deterministic=config.get("eval_noise", "mean") == "mean",
                            obs_features=bool(config.get("obs_features", False)))

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from embodied_rl.actors import save_agent
 from embodied_rl.actors.latent_noise import (
+    ACTIVATIONS,
     AGENT_KIND,
     LatentNoiseVecEnv,
     LayerNormSACPolicy,
@@ -119,6 +120,8 @@ class DSRL(SAC):
         noise_aliasing: bool = False,
         action_critic_arch: list[int] | None = None,
         action_critics: int = 2,
+        activation: str = "relu",
+        value_bounds: tuple[float, float] | None = None,
         **sac_kwargs: Any,
     ):
         self.noise_env = env
@@ -134,9 +137,14 @@ class DSRL(SAC):
         if noise_aliasing:
             obs_dim = env.observation_space.shape[0]
             arch = list(action_critic_arch or self.policy.net_arch)
-            self.action_critic = make_noise_critic(obs_dim, executed_dim, arch, action_critics).to(self.device)
+            self.action_critic = make_noise_critic(obs_dim, executed_dim, arch, action_critics, activation).to(self.device)
             self.action_critic_target = copy.deepcopy(self.action_critic).requires_grad_(False)
             self.action_critic_optimizer = torch.optim.Adam(self.action_critic.parameters(), lr=self.learning_rate)
+        if value_bounds is not None:  # every bootstrapped Q (the target networks' outputs) stays in the bounds
+            low, high = value_bounds
+            self.critic_target.register_forward_hook(lambda _m, _i, qs: tuple(q.clamp(low, high) for q in qs))
+            for q_net in getattr(self, "action_critic_target", []):
+                q_net.register_forward_hook(lambda _m, _i, q: q.clamp(low, high))
 
     # ---- acting ----
     def _sample_action(self, learning_starts: int, action_noise=None, n_envs: int = 1):
@@ -266,6 +274,7 @@ class DSRLConfig(AlgoConfig):
     name: str
     noise_bound: float
     hidden_sizes: list[int]
+    activation: str            # relu | tanh, of every hidden layer
     n_critics: int
     lr: float
     buffer_size: int
@@ -276,6 +285,9 @@ class DSRLConfig(AlgoConfig):
     ent_coef: Any              # "auto", "auto_<initial value>" or a fixed number
     target_entropy: Any        # "auto" or a number
     reward: str
+    bootstrap_truncation: Any  # auto | true | false (algos.common.reward_settings)
+    clip_target_q: Any        # auto: bootstrapped Q clamped to [0, 1] under the success reward; false: never
+    eval_noise: str            # sample | mean: what the evaluation agent takes from the noise actor
     warmup_env_steps: int
     critic_only_steps: int
     action_critics: int | None  # DSRL-NA only
@@ -291,6 +303,7 @@ class DSRLConfig(AlgoConfig):
         return [
             ("noise_bound", self.noise_bound > 0, "> 0"),
             ("hidden_sizes", all(h >= 1 for h in self.hidden_sizes), "a list of sizes >= 1"),
+            ("activation", self.activation in ACTIVATIONS, " or ".join(ACTIVATIONS)),
             ("n_critics", self.n_critics >= 1, ">= 1"),
             ("lr", self.lr > 0, "> 0"),
             ("buffer_size", self.buffer_size >= 1, ">= 1"),
@@ -301,6 +314,8 @@ class DSRLConfig(AlgoConfig):
             ("ent_coef", ent_coef == "auto" or _is_number(ent_coef.removeprefix("auto_")),
              "auto, auto_<number> or a number"),
             ("target_entropy", self.target_entropy == "auto" or _is_number(self.target_entropy), "auto or a number"),
+            ("eval_noise", self.eval_noise in ("sample", "mean"), "sample or mean"),
+            ("clip_target_q", self.clip_target_q in ("auto", False), "auto or false"),
             ("warmup_env_steps", self.warmup_env_steps >= 0, ">= 0"),
             ("critic_only_steps", self.critic_only_steps >= 0, ">= 0"),
             ("action_critics", self.action_critics is None or self.action_critics >= 1, ">= 1"),
@@ -322,7 +337,9 @@ def validate_config(cfg: Any) -> None:
 
 
 def make_dsrl(algo: DSRLConfig, vec_env: LatentNoiseVecEnv, seed: int, device: str = "cpu") -> DSRL:
-    """A DSRL model from the algo config (configs/algo/dsrl.yaml, dsrl_na.yaml)."""
+    """A DSRL model from the algo config (configs/algo/dsrl.yaml, dsrl_na.yaml). Under the success
+    reward (1 on the chunk that succeeds, which ends the episode) no return exceeds 1 or falls
+    below 0: with `clip_target_q: auto` the target networks' Q stays in [0, 1]."""
     gradient_steps = max(1, int(round(algo.utd_ratio * vec_env.num_envs)))
     noise_aliasing = algo.action_critics is not None
     model = DSRL(
@@ -330,6 +347,8 @@ def make_dsrl(algo: DSRLConfig, vec_env: LatentNoiseVecEnv, seed: int, device: s
         warm_start=WarmStart(algo.warmup_env_steps, algo.critic_only_steps),
         noise_aliasing=noise_aliasing,
         action_critics=algo.action_critics if noise_aliasing else 0,
+        activation=algo.activation,
+        value_bounds=(0.0, 1.0) if algo.clip_target_q == "auto" and vec_env.sparse_reward else None,
         learning_rate=algo.lr,
         buffer_size=algo.buffer_size,
         learning_starts=0,
@@ -340,7 +359,8 @@ def make_dsrl(algo: DSRLConfig, vec_env: LatentNoiseVecEnv, seed: int, device: s
         gradient_steps=gradient_steps,
         ent_coef=algo.ent_coef if str(algo.ent_coef).startswith("auto") else float(algo.ent_coef),
         target_entropy="auto" if algo.target_entropy == "auto" else float(algo.target_entropy),
-        policy_kwargs={"net_arch": list(algo.hidden_sizes), "n_critics": algo.n_critics},
+        policy_kwargs={"net_arch": list(algo.hidden_sizes), "n_critics": algo.n_critics,
+                       "activation_fn": ACTIVATIONS[algo.activation]},
         seed=seed,
         device=device,
         verbose=0,
@@ -349,10 +369,11 @@ def make_dsrl(algo: DSRLConfig, vec_env: LatentNoiseVecEnv, seed: int, device: s
     return model
 
 
-def noise_agent_factory(model: DSRL, base_policy: Any):
+def noise_agent_factory(model: DSRL, base_policy: Any, algo: DSRLConfig):
     def make(num_envs: int) -> NoiseActorAgent:
         actor = _ScaledActor(model.actor, model.noise_env.noise_bound)
-        return NoiseActorAgent(actor, base_policy, num_envs, model.noise_env.noise_bound)
+        return NoiseActorAgent(actor, base_policy, num_envs, model.noise_env.noise_bound,
+                               deterministic=algo.eval_noise == "mean")
 
     return make
 
@@ -365,7 +386,9 @@ def _agent_config(algo: DSRLConfig, vec_env: LatentNoiseVecEnv) -> dict[str, Any
         "obs_dim": int(vec_env.observation_space.shape[0]),
         "obs_features": True,  # the noise actor reads policy.obs_features (actors.base.head_input)
         "net_arch": list(algo.hidden_sizes),
+        "activation": algo.activation,
         "n_critics": algo.n_critics,
+        "eval_noise": algo.eval_noise,
     }
 
 
@@ -439,12 +462,13 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     algo = DSRLConfig.from_cfg(cfg.algo)
     policy.eval()
     policy.requires_grad_(False)
+    rewards = reward_settings(cfg)
     vec_env = LatentNoiseVecEnv(env, policy, noise_bound=algo.noise_bound, seed=int(cfg.seed),
-                                sparse_reward=reward_settings(cfg).sparse)
+                                sparse_reward=rewards.sparse, bootstrap_truncation=rewards.bootstrap_truncation)
     model = make_dsrl(algo, vec_env, seed=int(cfg.seed), device=str(cfg.device))
     config = _agent_config(algo, vec_env)
 
-    loop = FinetuneLoop(cfg, run, EnvEvaluation(cfg, run, noise_agent_factory(model, policy), policy.env_options()))
+    loop = FinetuneLoop(cfg, run, EnvEvaluation(cfg, run, noise_agent_factory(model, policy, algo), policy.env_options()))
     saved = loop.resume({"learner": _Learner(model)}, _optimizers(model),
                         lambda path: save_agent(path, AGENT_KIND, config, model.policy.state_dict(), policy))
     if saved is not None:

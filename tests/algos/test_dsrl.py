@@ -83,6 +83,34 @@ def test_vec_env_spaces_and_sb3_semantics():
     assert vec_env.env_steps == 40 * 2 * 4 or vec_env.env_steps < 40 * 2 * 4  # chunks cut short at episode ends
 
 
+@pytest.mark.parametrize("bootstrap", [True, False])
+def test_time_limit_is_a_truncation_only_with_bootstrap(bootstrap):
+    env = envs.make("reach", num_envs=4, seed=0)
+    vec_env = LatentNoiseVecEnv(env, tiny_policy(), noise_bound=1.5, seed=0, bootstrap_truncation=bootstrap)
+    vec_env.reset()
+    timeouts = 0
+    for _ in range(30):  # reach: 50 steps per episode, 2 executed actions per VecEnv step
+        _, _, done, infos = vec_env.step(np.zeros((4, 8), np.float32))
+        for i in np.flatnonzero(done):
+            if not infos[i]["success"]:  # reach ends early only on success: this one ran out of time
+                timeouts += 1
+                assert infos[i]["TimeLimit.truncated"] is bootstrap
+    assert timeouts > 0
+
+
+@pytest.mark.parametrize("eval_noise", ["sample", "mean"])
+def test_evaluation_agent_samples_or_takes_the_mean_of_the_noise_actor(eval_noise):
+    from embodied_rl.algos.dsrl import noise_agent_factory
+
+    policy = tiny_policy()
+    model = make_dsrl(algo_cfg(eval_noise=eval_noise), make_vec_env(policy), seed=0)
+    agent = noise_agent_factory(model, policy, algo_cfg(eval_noise=eval_noise))(4)
+    obs = torch.randn(4, 8)
+    first, second = agent.noise(obs), agent.noise(obs)
+    assert first.shape == (4, 4, 2) and float(first.abs().max()) <= 1.5
+    assert torch.equal(first, second) == (eval_noise == "mean")
+
+
 def test_sparse_reward_is_the_chunk_success():
     env = envs.make("reach", num_envs=4, seed=0)
     vec_env = LatentNoiseVecEnv(env, tiny_policy(), noise_bound=1.5, seed=0, sparse_reward=True)
@@ -148,7 +176,7 @@ def test_noise_actor_agent_replans_per_env():
     model = make_dsrl(algo_cfg(), vec_env, seed=0)
     from embodied_rl.algos.dsrl import noise_agent_factory
 
-    agent = noise_agent_factory(model, counting)(4)
+    agent = noise_agent_factory(model, counting, algo_cfg())(4)
     assert isinstance(agent, NoiseActorAgent)
     obs = torch.randn(4, 8)
     agent.reset(torch.ones(4, dtype=torch.bool))
@@ -180,3 +208,45 @@ def test_vec_env_state_dict_continues_exactly():
         assert np.array_equal(obs, obs2) and np.array_equal(reward, reward2) and np.array_equal(done, done2)
         assert all(np.array_equal(a["base_cond"], b["base_cond"]) for a, b in zip(infos, infos2))
     assert resumed.env_steps == vec_env.env_steps and resumed.sampler_calls == vec_env.sampler_calls
+
+
+def test_saved_agent_keeps_its_activation_and_evaluation_noise(tmp_path):
+    """agent.json carries `activation` and `eval_noise`; `load_agent` rebuilds the same noise actor and
+    evaluates as the run did (checkpoints without the keys: ReLU and the mean, tests/fixtures)."""
+    from embodied_rl.actors import load_agent, save_agent
+    from embodied_rl.actors.base import head_input
+    from embodied_rl.actors.latent_noise import AGENT_KIND
+    from embodied_rl.algos.dsrl import _agent_config
+
+    policy = tiny_policy()
+    algo = algo_cfg(activation="tanh", eval_noise="sample")
+    vec_env = make_vec_env(policy)
+    model = make_dsrl(algo, vec_env, seed=0)
+    save_agent(tmp_path / "agent", AGENT_KIND, _agent_config(algo, vec_env), model.policy.state_dict(), policy)
+    agent = load_agent(tmp_path / "agent", num_envs=4)
+    assert not agent.deterministic
+    assert any(isinstance(m, torch.nn.Tanh) for m in agent.actor.modules())
+    assert not any(isinstance(m, torch.nn.ReLU) for m in agent.actor.modules())
+    features = head_input(policy, torch.randn(4, 8))
+    expected = model.actor(features, deterministic=True)
+    assert torch.allclose(agent.actor(features, deterministic=True) / 1.5, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["dsrl", "dsrl_na"])
+@pytest.mark.parametrize("clip", ["auto", False])
+def test_bootstrapped_q_stays_in_the_success_rewards_range(variant, clip):
+    """Under the success reward no return leaves [0, 1]: the target critics' outputs (what every TD
+    target bootstraps from) are clamped there, the critics themselves are not."""
+    env = envs.make("reach", num_envs=4, seed=0)
+    vec_env = LatentNoiseVecEnv(env, tiny_policy(), noise_bound=1.5, seed=0, sparse_reward=True)
+    model = make_dsrl(algo_cfg(variant, clip_target_q=clip), vec_env, seed=0)
+    obs = torch.randn(16, 8)
+    noise = torch.rand(16, 8) * 2 - 1
+    with torch.no_grad():
+        for q in [*model.critic_target.q_networks, *getattr(model, "action_critic_target", [])]:
+            q[-1].bias.fill_(5.0)  # a target network that overestimates
+        targets = torch.cat(model.critic_target(obs, noise), dim=1)
+    assert (targets == 1.0).all() if clip == "auto" else (targets > 1.0).all()
+    if variant == "dsrl_na":
+        action_q = model._action_q(model.action_critic_target, obs, torch.randn(16, 4))
+        assert (action_q == 1.0).all() if clip == "auto" else (action_q > 1.0).all()
