@@ -88,8 +88,8 @@ def build_actor_agent(checkpoint: AgentCheckpoint, num_envs: int) -> ActorAgent:
 def load_agent(path: str | Path, num_envs: int, device: str | torch.device = "cpu"):
     """An agent (`reset(mask)` / `act(obs)`) for any checkpoint, acting as its run's evaluations
     did (a residual's mean; DSRL's noise actor per `eval_noise`). A BC checkpoint (config.json,
-    model.safetensors) -> PolicyRunner; a fine-tuned one (agent.json) -> the builder AGENTS names for its kind. A run directory stands for its
-    checkpoints/last."""
+    model.safetensors) -> PolicyRunner; a fine-tuned one (agent.json) -> the builder AGENTS names
+    for its kind. A run directory stands for its checkpoints/last."""
     from embodied_rl.policies import PolicyRunner, load_policy
 
     path = resolve_checkpoint(path)
