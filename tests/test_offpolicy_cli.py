@@ -94,6 +94,16 @@ def test_bad_dsrl_config_exits_2(tmp_path, capsys, bc_checkpoint, override, mess
     assert message in capsys.readouterr().err
 
 
+def test_bad_dsrl_na_actor_q_exits_2(tmp_path, capsys, bc_checkpoint):
+    args = finetune_args("dsrl_na", bc_checkpoint, tmp_path / "ft") + ["algo.actor_q=value"]
+    assert main(args) == 2
+    assert "algo.actor_q must be noise_critic or action_critic" in capsys.readouterr().err
+    assert not (tmp_path / "ft").exists()
+    args = finetune_args("dsrl", bc_checkpoint, tmp_path / "ft2") + ["algo.actor_q=action_critic"]
+    assert main(args) == 2  # the key is DSRL-NA's: plain DSRL has no action critic
+    assert not (tmp_path / "ft2").exists()
+
+
 def test_bad_residual_config_exits_2(tmp_path, capsys, bc_checkpoint):
     args = finetune_args("residual_sac", bc_checkpoint, tmp_path / "ft") + ["algo.actor=ppo"]
     assert main(args) == 2

@@ -120,6 +120,7 @@ class DSRL(SAC):
         noise_aliasing: bool = False,
         action_critic_arch: list[int] | None = None,
         action_critics: int = 2,
+        actor_q: str = "noise_critic",
         activation: str = "relu",
         value_bounds: tuple[float, float] | None = None,
         **sac_kwargs: Any,
@@ -127,6 +128,7 @@ class DSRL(SAC):
         self.noise_env = env
         self.warm_start = warm_start
         self.noise_aliasing = noise_aliasing
+        self.actor_q = actor_q
         if noise_aliasing:
             cond_dim = int(env.policy.cond_dim)
             executed_dim = env.n_action_steps * env.noise_shape[1]
@@ -225,24 +227,16 @@ class DSRL(SAC):
             action_critic_loss.backward()
             self.action_critic_optimizer.step()
 
-            # 2. distil Q_W(s, w) <- Q_A(s, pi_base(s, w)) on prior noises and the replayed ones
-            with torch.no_grad():
-                bound = self.noise_env.noise_bound
-                prior = torch.randn_like(data.actions).mul(1.0 / bound).clamp(-1.0, 1.0)  # w/m, w ~ N(0, I)
-                prior_executed = self._base_chunk(extra["cond"], prior)
-                obs2 = torch.cat([data.observations, data.observations])
-                noise2 = torch.cat([prior, data.actions])
-                executed2 = torch.cat([prior_executed, extra["executed"]])
-                distil_target = self._action_q(self.action_critic, obs2, executed2).min(1, keepdim=True)[0]
-            noise_critic_loss = 0.5 * sum(F.mse_loss(q, distil_target) for q in self.critic(obs2, noise2))
-            self.critic.optimizer.zero_grad()
-            noise_critic_loss.backward()
-            self.critic.optimizer.step()
             polyak_update(self.action_critic.parameters(), self.action_critic_target.parameters(), self.tau)
             stats.setdefault("train/action_critic_loss", []).append(action_critic_loss.item())
-            stats.setdefault("train/noise_critic_loss", []).append(noise_critic_loss.item())
 
-            # 3. the noise actor and the entropy coefficient, on Q_W (as in SAC)
+            # 2. distil Q_W(s, w) <- Q_A(s, pi_base(s, w)) on prior noises and the replayed ones (only where
+            # the actor ascends Q_W: with actor_q=action_critic nothing reads it)
+            if self.actor_q == "noise_critic":
+                stats.setdefault("train/noise_critic_loss", []).append(self._distil_noise_critic(data, extra))
+
+            # 3. the noise actor and the entropy coefficient (as in SAC), on Q_W or on Q_A of the chunk the
+            # frozen base makes of the actor's noise (the gradient flows through the base sampler into the noise)
             if update_actor:
                 actions_pi, log_prob = self.actor.action_log_prob(data.observations)
                 log_prob = log_prob.reshape(-1, 1)
@@ -251,7 +245,11 @@ class DSRL(SAC):
                     self.ent_coef_optimizer.zero_grad()
                     ent_coef_loss.backward()
                     self.ent_coef_optimizer.step()
-                q_pi = torch.cat(self.critic(data.observations, actions_pi), dim=1).min(1, keepdim=True)[0]
+                if self.actor_q == "action_critic":
+                    executed_pi = self._base_chunk(extra["cond"], actions_pi)
+                    q_pi = self._action_q(self.action_critic, data.observations, executed_pi).min(1, keepdim=True)[0]
+                else:
+                    q_pi = torch.cat(self.critic(data.observations, actions_pi), dim=1).min(1, keepdim=True)[0]
                 actor_loss = (ent_coef * log_prob - q_pi).mean()
                 self.actor.optimizer.zero_grad()
                 actor_loss.backward()
@@ -260,6 +258,21 @@ class DSRL(SAC):
                 stats.setdefault("train/ent_coef", []).append(float(ent_coef))
         self._n_updates += gradient_steps
         self.stats = {k: float(np.mean(v)) for k, v in stats.items()}
+
+    def _distil_noise_critic(self, data: Any, extra: dict[str, Tensor]) -> float:
+        with torch.no_grad():
+            bound = self.noise_env.noise_bound
+            prior = torch.randn_like(data.actions).mul(1.0 / bound).clamp(-1.0, 1.0)  # w/m, w ~ N(0, I)
+            prior_executed = self._base_chunk(extra["cond"], prior)
+            obs2 = torch.cat([data.observations, data.observations])
+            noise2 = torch.cat([prior, data.actions])
+            executed2 = torch.cat([prior_executed, extra["executed"]])
+            distil_target = self._action_q(self.action_critic, obs2, executed2).min(1, keepdim=True)[0]
+        noise_critic_loss = 0.5 * sum(F.mse_loss(q, distil_target) for q in self.critic(obs2, noise2))
+        self.critic.optimizer.zero_grad()
+        noise_critic_loss.backward()
+        self.critic.optimizer.step()
+        return noise_critic_loss.item()
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,11 +304,13 @@ class DSRLConfig(AlgoConfig):
     warmup_env_steps: int
     critic_only_steps: int
     action_critics: int | None  # DSRL-NA only
+    actor_q: str | None         # DSRL-NA only: noise_critic (Q_W) | action_critic (Q_A through the base sampler)
 
     @classmethod
     def from_cfg(cls, algo: Any) -> DSRLConfig:
         values = OmegaConf.to_container(algo, resolve=True)
-        values.setdefault("action_critics", None)  # the key exists in dsrl_na.yaml only
+        values.setdefault("action_critics", None)  # the keys exist in dsrl_na.yaml only
+        values.setdefault("actor_q", None)
         return cls(**values).checked()
 
     def checks(self) -> list[tuple[str, bool, str]]:
@@ -319,6 +334,7 @@ class DSRLConfig(AlgoConfig):
             ("warmup_env_steps", self.warmup_env_steps >= 0, ">= 0"),
             ("critic_only_steps", self.critic_only_steps >= 0, ">= 0"),
             ("action_critics", self.action_critics is None or self.action_critics >= 1, ">= 1"),
+            ("actor_q", self.actor_q in (None, "noise_critic", "action_critic"), "noise_critic or action_critic"),
         ]
 
 
@@ -347,6 +363,7 @@ def make_dsrl(algo: DSRLConfig, vec_env: LatentNoiseVecEnv, seed: int, device: s
         warm_start=WarmStart(algo.warmup_env_steps, algo.critic_only_steps),
         noise_aliasing=noise_aliasing,
         action_critics=algo.action_critics if noise_aliasing else 0,
+        actor_q=algo.actor_q or "noise_critic",
         activation=algo.activation,
         value_bounds=(0.0, 1.0) if algo.clip_target_q == "auto" and vec_env.sparse_reward else None,
         learning_rate=algo.lr,

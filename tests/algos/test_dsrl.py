@@ -145,6 +145,29 @@ def test_noise_bound_honoured_and_base_weights_frozen(variant):
         assert counting.calls > model.noise_env.sampler_calls  # NA re-runs the sampler in its update
 
 
+def test_dsrl_na_actor_on_action_critic_through_the_base_sampler():
+    """actor_q=action_critic: the noise actor ascends Q_A of the chunk the frozen base makes of its noise;
+    Q_W is never trained, the base stays frozen, and the actor's gradient reaches it only through the sampler."""
+    base = tiny_policy()
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    vec_env = make_vec_env(base)
+    model = make_dsrl(algo_cfg("dsrl_na", actor_q="action_critic"), vec_env, seed=0)
+    noise_critic = [p.clone() for p in model.critic.parameters()]
+    actor = [p.clone() for p in model.actor.parameters()]
+    model.learn(total_timesteps=4 * 6)
+    assert all(torch.equal(a, b) for a, b in zip(noise_critic, model.critic.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(actor, model.actor.parameters()))
+    assert "train/noise_critic_loss" not in model.stats and "train/actor_loss" in model.stats
+    for key, value in base.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    # the gradient of Q_A(s, pi_base(s, w)) with respect to the noise w is not zero: the sampler is differentiable
+    data, extra = model.replay_buffer.sample_with_extras(8)
+    noise = torch.zeros_like(data.actions, requires_grad=True)
+    q = model._action_q(model.action_critic, data.observations, model._base_chunk(extra["cond"], noise)).sum()
+    q.backward()
+    assert noise.grad.abs().sum() > 0
+
+
 def test_layer_norm_policy_has_layer_norms():
     policy = tiny_policy()
     vec_env = make_vec_env(policy)
