@@ -34,6 +34,7 @@ from stable_baselines3.common.utils import polyak_update
 from torch import Tensor
 
 from embodied_rl.actors import save_agent
+from embodied_rl.actors.base import layer_norm_mlp
 from embodied_rl.actors.latent_noise import (
     ACTIVATIONS,
     AGENT_KIND,
@@ -121,6 +122,7 @@ class DSRL(SAC):
         action_critic_arch: list[int] | None = None,
         action_critics: int = 2,
         actor_q: str = "noise_critic",
+        value_expectile: float | None = None,
         activation: str = "relu",
         value_bounds: tuple[float, float] | None = None,
         **sac_kwargs: Any,
@@ -129,6 +131,8 @@ class DSRL(SAC):
         self.warm_start = warm_start
         self.noise_aliasing = noise_aliasing
         self.actor_q = actor_q
+        self.value_expectile = value_expectile
+        self.value_bounds = value_bounds
         if noise_aliasing:
             cond_dim = int(env.policy.cond_dim)
             executed_dim = env.n_action_steps * env.noise_shape[1]
@@ -142,6 +146,9 @@ class DSRL(SAC):
             self.action_critic = make_noise_critic(obs_dim, executed_dim, arch, action_critics, activation).to(self.device)
             self.action_critic_target = copy.deepcopy(self.action_critic).requires_grad_(False)
             self.action_critic_optimizer = torch.optim.Adam(self.action_critic.parameters(), lr=self.learning_rate)
+            if value_expectile is not None:  # V(s), the expectile of Q_A over the replayed chunks (IQL)
+                self.value_net = layer_norm_mlp(obs_dim, 1, arch, ACTIVATIONS[activation]).to(self.device)
+                self.value_optimizer = torch.optim.Adam(self.value_net.parameters(), lr=self.learning_rate)
         if value_bounds is not None:  # every bootstrapped Q (the target networks' outputs) stays in the bounds
             low, high = value_bounds
             self.critic_target.register_forward_hook(lambda _m, _i, qs: tuple(q.clamp(low, high) for q in qs))
@@ -214,12 +221,18 @@ class DSRL(SAC):
             data, extra = self.replay_buffer.sample_with_extras(batch_size)
             ent_coef = self._entropy_coef()
 
-            # 1. Q_A(s, a) by TD on executed chunks; the next chunk is pi_base(s', pi_W(s'))
+            # 1. Q_A(s, a) by TD on executed chunks; the next chunk is pi_base(s', pi_W(s')), or with
+            # value_expectile the next state's V(s'): in-sample, never the value of the actor's own chunk
             with torch.no_grad():
-                next_noise, next_log_prob = self.actor.action_log_prob(data.next_observations)
-                next_executed = self._base_chunk(extra["next_cond"], next_noise)
-                next_q = self._action_q(self.action_critic_target, data.next_observations, next_executed).min(1, keepdim=True)[0]
-                next_q = next_q - ent_coef * next_log_prob.reshape(-1, 1)
+                if self.value_expectile is None:
+                    next_noise, next_log_prob = self.actor.action_log_prob(data.next_observations)
+                    next_executed = self._base_chunk(extra["next_cond"], next_noise)
+                    next_q = self._action_q(self.action_critic_target, data.next_observations, next_executed).min(1, keepdim=True)[0]
+                    next_q = next_q - ent_coef * next_log_prob.reshape(-1, 1)
+                else:
+                    next_q = self.value_net(data.next_observations)
+                    if self.value_bounds is not None:
+                        next_q = next_q.clamp(*self.value_bounds)
                 target = data.rewards + (1 - data.dones) * self.gamma * next_q
             q_action = self._action_q(self.action_critic, data.observations, extra["executed"])
             action_critic_loss = 0.5 * ((q_action - target) ** 2).mean(0).sum()
@@ -229,6 +242,8 @@ class DSRL(SAC):
 
             polyak_update(self.action_critic.parameters(), self.action_critic_target.parameters(), self.tau)
             stats.setdefault("train/action_critic_loss", []).append(action_critic_loss.item())
+            if self.value_expectile is not None:
+                stats.setdefault("train/value_loss", []).append(self._train_value(data, extra))
 
             # 2. distil Q_W(s, w) <- Q_A(s, pi_base(s, w)) on prior noises and the replayed ones (only where
             # the actor ascends Q_W: with actor_q=action_critic nothing reads it)
@@ -258,6 +273,19 @@ class DSRL(SAC):
                 stats.setdefault("train/ent_coef", []).append(float(ent_coef))
         self._n_updates += gradient_steps
         self.stats = {k: float(np.mean(v)) for k, v in stats.items()}
+
+    def _train_value(self, data: Any, extra: dict[str, Tensor]) -> float:
+        """IQL's expectile regression: V(s) -> the value_expectile-expectile of min Q_A_target(s, a) over
+        the replayed chunks a (0.5: their mean; towards 1: the best of them)."""
+        with torch.no_grad():
+            q = self._action_q(self.action_critic_target, data.observations, extra["executed"]).min(1, keepdim=True)[0]
+        diff = q - self.value_net(data.observations)
+        weight = torch.abs(self.value_expectile - (diff < 0).float())
+        loss = (weight * diff ** 2).mean()
+        self.value_optimizer.zero_grad()
+        loss.backward()
+        self.value_optimizer.step()
+        return loss.item()
 
     def _distil_noise_critic(self, data: Any, extra: dict[str, Tensor]) -> float:
         with torch.no_grad():
@@ -305,12 +333,14 @@ class DSRLConfig(AlgoConfig):
     critic_only_steps: int
     action_critics: int | None  # DSRL-NA only
     actor_q: str | None         # DSRL-NA only: noise_critic (Q_W) | action_critic (Q_A through the base sampler)
+    value_expectile: float | None  # DSRL-NA only: null (TD on the actor's next chunk) or IQL's expectile in (0, 1)
 
     @classmethod
     def from_cfg(cls, algo: Any) -> DSRLConfig:
         values = OmegaConf.to_container(algo, resolve=True)
         values.setdefault("action_critics", None)  # the keys exist in dsrl_na.yaml only
         values.setdefault("actor_q", None)
+        values.setdefault("value_expectile", None)
         return cls(**values).checked()
 
     def checks(self) -> list[tuple[str, bool, str]]:
@@ -335,6 +365,9 @@ class DSRLConfig(AlgoConfig):
             ("critic_only_steps", self.critic_only_steps >= 0, ">= 0"),
             ("action_critics", self.action_critics is None or self.action_critics >= 1, ">= 1"),
             ("actor_q", self.actor_q in (None, "noise_critic", "action_critic"), "noise_critic or action_critic"),
+            ("value_expectile", self.value_expectile is None or (_is_number(self.value_expectile)
+                                                                 and 0.0 < float(self.value_expectile) < 1.0),
+             "null or a number in (0, 1)"),
         ]
 
 
@@ -364,6 +397,7 @@ def make_dsrl(algo: DSRLConfig, vec_env: LatentNoiseVecEnv, seed: int, device: s
         noise_aliasing=noise_aliasing,
         action_critics=algo.action_critics if noise_aliasing else 0,
         actor_q=algo.actor_q or "noise_critic",
+        value_expectile=None if algo.value_expectile is None else float(algo.value_expectile),
         activation=algo.activation,
         value_bounds=(0.0, 1.0) if algo.clip_target_q == "auto" and vec_env.sparse_reward else None,
         learning_rate=algo.lr,
@@ -415,6 +449,8 @@ def _optimizers(model: DSRL) -> dict[str, Any]:
         optimizers["ent_coef"] = model.ent_coef_optimizer
     if model.noise_aliasing:
         optimizers["action_critic"] = model.action_critic_optimizer
+    if model.value_expectile is not None:
+        optimizers["value"] = model.value_optimizer
     return optimizers
 
 
@@ -434,6 +470,8 @@ class _Learner:
         if model.noise_aliasing:
             state["action_critic"] = model.action_critic.state_dict()
             state["action_critic_target"] = model.action_critic_target.state_dict()
+        if model.value_expectile is not None:
+            state["value_net"] = model.value_net.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -447,6 +485,8 @@ class _Learner:
         if model.noise_aliasing:
             model.action_critic.load_state_dict(state["action_critic"])
             model.action_critic_target.load_state_dict(state["action_critic_target"])
+        if model.value_expectile is not None:
+            model.value_net.load_state_dict(state["value_net"])
 
 
 REPLAY_ARRAYS = ("observations", "next_observations", "actions", "rewards", "dones", "timeouts",

@@ -168,6 +168,29 @@ def test_dsrl_na_actor_on_action_critic_through_the_base_sampler():
     assert noise.grad.abs().sum() > 0
 
 
+def test_dsrl_na_value_expectile_is_the_expectile_of_the_replayed_chunks():
+    """value_expectile: V(s) converges to the expectile of the replayed chunks' Q_A, and Q_A's target
+    reads V(s'), clamped to [0, 1] under the success reward; V is in the learner's state."""
+    from embodied_rl.algos.dsrl import _Learner
+
+    vec_env = LatentNoiseVecEnv(envs.make("reach", num_envs=4, seed=0), tiny_policy(), seed=0, sparse_reward=True)
+    model = make_dsrl(algo_cfg("dsrl_na", value_expectile=0.9, actor_q="action_critic"), vec_env, seed=0)
+    model.learn(total_timesteps=4 * 6)
+    assert "train/value_loss" in model.stats
+    data, extra = model.replay_buffer.sample_with_extras(4)
+    obs = data.observations[:1].repeat(64, 1)
+    q = torch.linspace(0.0, 1.0, 64)
+    model._action_q = lambda critic, o, a: q.reshape(-1, 1)  # Q_A of the 64 "replayed chunks" of one state
+    model.value_optimizer = torch.optim.Adam(model.value_net.parameters(), lr=1e-2)
+    for _ in range(1500):
+        model._train_value(type(data)(obs, *data[1:]), extra)
+    expected = 0.9 ** 0.5 / (0.9 ** 0.5 + 0.1 ** 0.5)  # the tau-expectile of U[0, 1]: 0.75 at tau 0.9
+    value = model.value_net(obs[:1]).item()
+    assert q.mean().item() + 0.1 < value and abs(value - expected) < 0.06
+    state = _Learner(model).state_dict()
+    assert "value_net" in state
+
+
 def test_layer_norm_policy_has_layer_norms():
     policy = tiny_policy()
     vec_env = make_vec_env(policy)
