@@ -129,13 +129,15 @@ def test_each_env_step_denoises_exactly_once():
     assert counting.calls == 12  # SB3's SAC update never runs the sampler: one call per step
 
 
-@pytest.mark.parametrize("variant", ["dsrl", "dsrl_na"])
-def test_noise_bound_honoured_and_base_weights_frozen(variant):
+@pytest.mark.parametrize("variant, extra", [("dsrl", {}), ("dsrl_na", {}),
+                                            ("dsrl_na", {"actor_q": "noise_critic", "value_expectile": "null"})])
+def test_noise_bound_honoured_and_base_weights_frozen(variant, extra):
     base = tiny_policy()
     before = {k: v.clone() for k, v in base.state_dict().items()}
     counting = CountingPolicy(base)
     vec_env = make_vec_env(counting, noise_bound=0.5)
-    model = make_dsrl(algo_cfg(variant, noise_bound=0.5, warmup_env_steps=8, critic_only_steps=8), vec_env, seed=0)
+    model = make_dsrl(algo_cfg(variant, noise_bound=0.5, warmup_env_steps=8, critic_only_steps=8, **extra), vec_env,
+                      seed=0)
     model.learn(total_timesteps=4 * 10)
     assert counting.max_abs_noise <= 0.5 + 1e-6
     assert model.replay_buffer.actions.max() <= 1.0 + 1e-6  # SB3 stores actions scaled by the bound
@@ -143,6 +145,7 @@ def test_noise_bound_honoured_and_base_weights_frozen(variant):
         assert torch.equal(value, before[key]), key
     if variant == "dsrl_na":
         assert counting.calls > model.noise_env.sampler_calls  # NA re-runs the sampler in its update
+        assert ("train/noise_critic_loss" in model.stats) == (extra.get("actor_q") == "noise_critic")
 
 
 def test_dsrl_na_actor_on_action_critic_through_the_base_sampler():
