@@ -35,7 +35,7 @@ class CountingPolicy:
 
     def sample(self, cond, noise):
         self.calls += 1
-        self.max_abs_noise = max(self.max_abs_noise, float(noise.abs().max()))
+        self.max_abs_noise = max(self.max_abs_noise, float(noise.detach().abs().max()))
         return self.policy.sample(cond, noise)
 
     def predict_chunk(self, obs, noise=None, generator=None):
