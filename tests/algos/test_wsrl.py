@@ -118,15 +118,16 @@ def test_negative_lengths_are_user_errors():
 def test_dsrl_actor_fixed_in_warmup_and_critic_only(variant):
     vec_env = make_vec_env(tiny_policy())
     model = make_dsrl(algo_cfg(variant, warmup_env_steps=24, critic_only_steps=48), vec_env, seed=0)
+    trained_critic = model.action_critic if variant == "dsrl_na" else model.critic  # DSRL-NA's default: Q_A only
     actor = [p.clone() for p in model.actor.parameters()]
-    critic = [p.clone() for p in model.critic.parameters()]
+    critic = [p.clone() for p in trained_critic.parameters()]
     model.learn(total_timesteps=4 * 2)  # 16 < 24 env steps: warm-up only
     assert vec_env.env_steps == 16
-    assert all(torch.equal(a, b) for a, b in zip(critic, model.critic.parameters()))  # no update at all
+    assert all(torch.equal(a, b) for a, b in zip(critic, trained_critic.parameters()))  # no update at all
     assert len(model.replay_buffer.observations[: model.replay_buffer.pos]) == 2
     model.learn(total_timesteps=4 * 6, reset_num_timesteps=False)  # 64 < 72 env steps: critic-only
     assert all(torch.equal(a, b) for a, b in zip(actor, model.actor.parameters()))
-    assert not all(torch.equal(a, b) for a, b in zip(critic, model.critic.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(critic, trained_critic.parameters()))
     model.learn(total_timesteps=4 * 3, reset_num_timesteps=False)  # full
     assert not all(torch.equal(a, b) for a, b in zip(actor, model.actor.parameters()))
 
