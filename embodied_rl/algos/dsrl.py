@@ -214,6 +214,10 @@ class DSRL(SAC):
         inputs = torch.cat([obs, executed], dim=1)
         return torch.cat([q(inputs) for q in critic], dim=1)
 
+    def _min_action_q(self, critic: torch.nn.ModuleList, obs: Tensor, executed: Tensor) -> Tensor:
+        """The ensemble's minimum [B, 1] (the pessimistic value every target and the actor read)."""
+        return self._action_q(critic, obs, executed).min(1, keepdim=True)[0]
+
     def _train_noise_aliasing(self, gradient_steps: int, batch_size: int, update_actor: bool) -> None:
         self.policy.set_training_mode(True)
         stats: dict[str, list[float]] = {}
@@ -227,7 +231,7 @@ class DSRL(SAC):
                 if self.value_expectile is None:
                     next_noise, next_log_prob = self.actor.action_log_prob(data.next_observations)
                     next_executed = self._base_chunk(extra["next_cond"], next_noise)
-                    next_q = self._action_q(self.action_critic_target, data.next_observations, next_executed).min(1, keepdim=True)[0]
+                    next_q = self._min_action_q(self.action_critic_target, data.next_observations, next_executed)
                     next_q = next_q - ent_coef * next_log_prob.reshape(-1, 1)
                 else:
                     next_q = self.value_net(data.next_observations)
@@ -262,7 +266,7 @@ class DSRL(SAC):
                     self.ent_coef_optimizer.step()
                 if self.actor_q == "action_critic":
                     executed_pi = self._base_chunk(extra["cond"], actions_pi)
-                    q_pi = self._action_q(self.action_critic, data.observations, executed_pi).min(1, keepdim=True)[0]
+                    q_pi = self._min_action_q(self.action_critic, data.observations, executed_pi)
                 else:
                     q_pi = torch.cat(self.critic(data.observations, actions_pi), dim=1).min(1, keepdim=True)[0]
                 actor_loss = (ent_coef * log_prob - q_pi).mean()
@@ -278,7 +282,7 @@ class DSRL(SAC):
         """IQL's expectile regression: V(s) -> the value_expectile-expectile of min Q_A_target(s, a) over
         the replayed chunks a (0.5: their mean; towards 1: the best of them)."""
         with torch.no_grad():
-            q = self._action_q(self.action_critic_target, data.observations, extra["executed"]).min(1, keepdim=True)[0]
+            q = self._min_action_q(self.action_critic_target, data.observations, extra["executed"])
         diff = q - self.value_net(data.observations)
         weight = torch.abs(self.value_expectile - (diff < 0).float())
         loss = (weight * diff ** 2).mean()
@@ -295,7 +299,7 @@ class DSRL(SAC):
             obs2 = torch.cat([data.observations, data.observations])
             noise2 = torch.cat([prior, data.actions])
             executed2 = torch.cat([prior_executed, extra["executed"]])
-            distil_target = self._action_q(self.action_critic, obs2, executed2).min(1, keepdim=True)[0]
+            distil_target = self._min_action_q(self.action_critic, obs2, executed2)
         noise_critic_loss = 0.5 * sum(F.mse_loss(q, distil_target) for q in self.critic(obs2, noise2))
         self.critic.optimizer.zero_grad()
         noise_critic_loss.backward()
