@@ -15,6 +15,11 @@ f(s, w) below f(s) means a critic on the noise overfits the noise dimensions at 
 its actor then climbs errors. f(s, a) above f(s) means the executed chunk carries information about
 the outcome a critic can extract.
 
+An actor follows only the part of the critic that changes with its input: the advantage. So the
+script also fits the residual y - f(s) (f(s) fitted on the training rows) from (s, w) and from
+(s, a) and reports its held-out R^2: the share of the target's action-dependent variance a critic
+can find. Near zero (or below) the critic's slope in w or a is noise, whatever its R^2 on y.
+
     OMP_NUM_THREADS=1 python benchmarks/dsrl_learnability.py --checkpoint runs/bc/push_t/checkpoints/last \\
         --task push_t --transitions 20000
 
@@ -130,18 +135,30 @@ def run(args) -> dict:
     with torch.no_grad():
         next_value = value_net(torch.tensor(rows["s_next"], dtype=torch.float32)).squeeze(-1).numpy()
     target = rows["r"] + args.gamma * (1 - rows["d"]) * next_value
+    state_noise = np.concatenate([rows["s"], rows["w"]], 1)
+    state_chunk = np.concatenate([rows["s"], rows["a"]], 1)
+    state_r2, state_net = fit(rows["s"], target, held_out, args, seed=1)
     r2 = {
-        "state": fit(rows["s"], target, held_out, args, seed=1)[0],
-        "state_noise": fit(np.concatenate([rows["s"], rows["w"]], 1), target, held_out, args, seed=1)[0],
-        "state_chunk": fit(np.concatenate([rows["s"], rows["a"]], 1), target, held_out, args, seed=1)[0],
+        "state": state_r2,
+        "state_noise": fit(state_noise, target, held_out, args, seed=1)[0],
+        "state_chunk": fit(state_chunk, target, held_out, args, seed=1)[0],
+    }
+    with torch.no_grad():
+        residual = target - state_net(torch.tensor(rows["s"], dtype=torch.float32)).squeeze(-1).numpy()
+    advantage_r2 = {
+        "state_noise": fit(state_noise, residual, held_out, args, seed=2)[0],
+        "state_chunk": fit(state_chunk, residual, held_out, args, seed=2)[0],
     }
     print(f"{len(target)} chunks ({len(episodes)} episodes, {len(test_episodes)} held out), collected in "
           f"{collect_s:.0f} s; success per episode {rows['r'].sum() / max(1, rows['d'].sum()):.3f}")
     print(f"V(s) on the Monte-Carlo return: held-out R^2 {value_r2:.3f}")
     print(f"TD target, held-out R^2: f(s) {r2['state']:.3f}  f(s, w) {r2['state_noise']:.3f}  "
           f"f(s, a) {r2['state_chunk']:.3f}")
+    print(f"residual y - f(s), held-out R^2: f(s, w) {advantage_r2['state_noise']:.3f}  "
+          f"f(s, a) {advantage_r2['state_chunk']:.3f}")
     return {"task": args.task, "transitions": int(len(target)), "episodes": int(len(episodes)),
-            "hidden": args.hidden, "depth": args.depth, "value_r2": value_r2, "td_target_r2": r2}
+            "hidden": args.hidden, "depth": args.depth, "value_r2": value_r2, "td_target_r2": r2,
+            "residual_r2": advantage_r2}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -483,6 +483,38 @@ def test_dsrl_ceiling_best_of_n_is_at_least_every_draw(tmp_path, capsys, monkeyp
     assert len(draws) == 3 and max(draws) <= average["best_of_n"]
 
 
+def test_dsrl_learnability_labels_complete_episodes_with_their_discounted_success():
+    bench = load_benchmark("dsrl_learnability")
+    # one env: an episode of 2 chunks ending in success, then one of 1 chunk ending in failure, then
+    # an unfinished one (dropped: its return is not known)
+    reward = np.array([[0.0], [1.0], [0.0], [0.0]])
+    done = np.array([[False], [True], [True], [False]])
+    states = np.arange(4, dtype=np.float32).reshape(4, 1, 1)
+    data = {"s": states, "w": states, "a": states, "r": reward, "d": done}
+    rows = bench.labelled_rows(data, gamma=0.5)
+    np.testing.assert_allclose(rows["g"], [0.5, 1.0, 0.0])
+    np.testing.assert_allclose(rows["s_next"][:, 0], [1.0, 2.0, 3.0])
+    assert rows["episode"][0] == rows["episode"][1] != rows["episode"][2]
+
+
+def test_dsrl_learnability_reports_target_and_residual_fits(tmp_path, capsys):
+    from embodied_rl.policies import make_policy, save_policy
+
+    bench = load_benchmark("dsrl_learnability")
+    torch.manual_seed(0)
+    policy = make_policy("flow", obs_dim=8, action_dim=2, n_obs_steps=2, horizon=4, n_action_steps=2,
+                         num_inference_steps=2, task="reach", backbone_kwargs=dict(hidden_dim=16, num_blocks=1, time_dim=8))
+    save_policy(policy, tmp_path / "bc")
+    result = bench.run(bench.parse_args(["--checkpoint", str(tmp_path / "bc"), "--task", "reach", "--transitions", "400",
+                                         "--num-envs", "8", "--hidden", "16", "--fit-steps", "250",
+                                         "--max-episode-steps", "10"]))
+    assert result["episodes"] >= 10
+    assert set(result["td_target_r2"]) == {"state", "state_noise", "state_chunk"}
+    assert set(result["residual_r2"]) == {"state_noise", "state_chunk"}
+    assert all(np.isfinite(value) for value in [*result["td_target_r2"].values(), *result["residual_r2"].values()])
+    assert "residual y - f(s)" in capsys.readouterr().out
+
+
 def test_process_overhead_compares_the_process_backend_with_gymnasium(capsys, monkeypatch):
     bench = load_benchmark("process_overhead")
     monkeypatch.setattr(sys, "argv", ["process_overhead.py", "--envs", "Pendulum-v1", "--ns", "2", "--seconds", "0.05"])
