@@ -66,7 +66,7 @@ PER_DIM_KEYS = {"algo.actor_kwargs.action_scale"}
 # numbers that may also be "auto" (the algorithm's config checks the value)
 AUTO_OR_NUMBER_KEYS = {"algo.target_entropy", "algo.ent_coef"}
 # switches that may also be "auto" (the algorithm decides from the task)
-AUTO_OR_BOOL_KEYS = {"algo.bootstrap_truncation", "algo.clip_target_q"}
+AUTO_OR_BOOL_KEYS = {"algo.bootstrap_truncation", "algo.clip_target_q", "use_state"}
 
 
 def _check_types(reference: Any, composed: Any, overrides: list[str]) -> None:

@@ -57,6 +57,7 @@ def test_train_reward_writes_the_model_its_scores_and_a_plot(reward_run, capsys)
     _, _, run_dir = reward_run
     info = json.loads((run_dir / "reward_info.json").read_text())
     assert info["kind"] == "cnn" and info["progress_labels"] == "milestones"  # reach names its end effector
+    assert info["use_state"] is False  # reach's state holds the target's position: privileged
     held_out = info["held_out"]
     for key in ("roc_auc", "precision_at_threshold", "recall_at_threshold", "episode_recall",
                 "episode_false_positive_rate", "voc", "progress_spearman"):
@@ -66,6 +67,21 @@ def test_train_reward_writes_the_model_its_scores_and_a_plot(reward_run, capsys)
     assert (run_dir / "plots" / "reward_model.png").is_file() and (run_dir / "done.json").is_file()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any("train/success_loss" in row for row in rows) and "val/roc_auc" in rows[-1]
+
+
+def test_train_reward_reads_the_state_where_it_is_proprioception_only(tmp_path):
+    # tabletop's state is the hand's position and the fingers' closure: what a real robot knows
+    assert main(["collect", "task=tabletop", "pixels=true", "image_size=16", "demos=4", "quality=0.3",
+                 "only_success=false", "num_envs=4", f"run_dir={tmp_path / 'collect'}"]) == 0
+    train = ["train-reward", "task=tabletop", f"data={tmp_path / 'collect' / 'demos.zarr'}", "text_encoder=hash",
+             *SMALL_MODEL]
+    assert main([*train, f"run_dir={tmp_path / 'auto'}"]) == 0
+    assert main([*train, "use_state=false", f"run_dir={tmp_path / 'off'}"]) == 0
+    for run, reads_state in (("auto", True), ("off", False)):
+        info = json.loads((tmp_path / run / "reward_info.json").read_text())
+        config = json.loads((tmp_path / run / "reward_model" / "config.json").read_text())
+        assert info["kind"] == "cnn_film" and info["use_state"] is reads_state
+        assert config["config"]["use_state"] is reads_state
 
 
 @pytest.mark.parametrize("algo", sorted(FINETUNE))
@@ -126,6 +142,7 @@ def test_bad_reward_model_training_is_refused(reward_run, tmp_path, capsys):
     refused(tmp_path, capsys, [*train, "kind=vit"], "kind must be auto or one of cnn, cnn_film, got 'vit'")
     refused(tmp_path, capsys, [*train, "progress=oracle"], "progress must be auto or one of milestones, time, none")
     refused(tmp_path, capsys, [*train, "threshold=1.5"], "threshold must be in (0, 1), got 1.5")
+    refused(tmp_path, capsys, [*train, "use_state=maybe"], "bad value for 'use_state': expected auto, true or false")
     refused(tmp_path, capsys, ["train-reward", "task=push_t", f"data={data}"], "collected on task 'reach' but task=push_t")
     refused(tmp_path, capsys, [*train, "kind=cnn_film"], "cnn_film conditions on instructions")
     no_frames = tmp_path / "no_frames"

@@ -61,8 +61,8 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"kind must be auto or one of {', '.join(REWARD_MODELS)}, got '{cfg.kind}'")
     if cfg.progress != "auto" and cfg.progress not in PROGRESS_LABELS:
         raise UserError(f"progress must be auto or one of {', '.join(PROGRESS_LABELS)}, got '{cfg.progress}'")
-    if not isinstance(cfg.use_state, bool):
-        raise UserError(f"use_state must be true or false, got {cfg.use_state!r}")
+    if not isinstance(cfg.use_state, bool) and cfg.use_state != "auto":
+        raise UserError(f"use_state must be auto, true or false, got {cfg.use_state!r}")
     check_text_encoder(cfg.text_encoder)
 
 
@@ -92,6 +92,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     task = task_class(task_name)
     kind = cfg.kind if cfg.kind != "auto" else ("cnn_film" if dataset.instructions else "cnn")
     progress = cfg.progress if cfg.progress != "auto" else ("milestones" if task.effector_obs else "time")
+    use_state = cfg.use_state if cfg.use_state != "auto" else task.proprioceptive_state
     samples = reward_samples(dataset, progress, task.effector_obs, task.gripper_obs, float(cfg.pause_speed),
                              int(cfg.pause_steps))
     if not samples.success.any() or samples.success.all():
@@ -103,7 +104,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     torch.manual_seed(int(cfg.seed))
     model = make_reward_model(
         kind, task=task_name, image_size=int(samples.frames.shape[1]), obs_dim=int(samples.state.shape[1]),
-        instructions=dataset.instructions or None, text_encoder=cfg.text_encoder, use_state=cfg.use_state,
+        instructions=dataset.instructions or None, text_encoder=cfg.text_encoder, use_state=use_state,
         channels=list(cfg.channels), feature_dim=int(cfg.feature_dim), hidden_dim=int(cfg.hidden_dim),
         progress_labels=progress,
     ).to(cfg.device)
@@ -118,6 +119,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     try:
         scores = train_reward_model(model, train, held_out, config, run)
         info = {"task": task_name, "dataset": str(dataset.path), "kind": kind, "progress_labels": progress,
+                "use_state": use_state,
                 "held_out": scores, "held_out_episodes": sorted(set(held_out.episode.tolist())),
                 "train": {"states": len(train), "success_states": int(train.success.sum())},
                 "config": OmegaConf.to_container(cfg, resolve=True)}
@@ -127,7 +129,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         plot_held_out(held_out, *predict(model, held_out), config.threshold, run.file("plots", "reward_model.png"))
     finally:
         run.close()
-    headline: dict[str, Any] = {"task": task_name, "kind": kind, "progress_labels": progress}
+    headline: dict[str, Any] = {"task": task_name, "kind": kind, "progress_labels": progress, "use_state": use_state}
     for key in ("roc_auc", "precision_at_threshold", "recall_at_threshold", "episode_recall",
                 "episode_false_positive_rate", "voc"):
         headline[f"held_out_{key}"] = scores[key] if scores[key] is not None else "n/a"

@@ -129,6 +129,9 @@ class Task:
     # pseudo-labels of train-reward read them (gripper changes, end-effector pauses).
     effector_obs: tuple[int, ...] = ()
     gripper_obs: int | None = None
+    # True where the state observation is the robot's proprioception only (the objects are seen in the
+    # camera image): what a real robot also has, so a reward model may read it (train-reward use_state=auto)
+    proprioceptive_state: bool = False
 
     def __init__(self, **overrides: Any):
         for key, value in overrides.items():

@@ -102,6 +102,7 @@ class TabletopTask(Task):
     action_dim = 4
     camera = "front"
     effector_obs, gripper_obs = (0, 1, 2), 3  # hand xyz, finger closure
+    proprioceptive_state = True
     has_success = True
     success_criterion = ("per instruction: the named cube lifted 5 cm (pick), on the named pad and let go "
                          "(put), the fingertips on the named pad (touch); lifting another cube fails")
