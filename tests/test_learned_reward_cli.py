@@ -84,6 +84,32 @@ def test_train_reward_reads_the_state_where_it_is_proprioception_only(tmp_path):
         assert config["config"]["use_state"] is reads_state
 
 
+def test_train_reward_takes_expert_demos_for_training_only(reward_run, tmp_path, capsys):
+    _, data, run_dir = reward_run
+    assert main(["collect", *REACH, "pixels=true", "image_size=16", "demos=4", "num_envs=4",
+                 f"run_dir={tmp_path / 'demos'}"]) == 0
+    demos = tmp_path / "demos" / "demos.zarr"
+    assert main(["train-reward", *REACH, f"data={data}", f"demos={demos}", *SMALL_MODEL,
+                 f"run_dir={tmp_path / 'reward'}"]) == 0
+    alone = json.loads((run_dir / "reward_info.json").read_text())
+    info = json.loads((tmp_path / "reward" / "reward_info.json").read_text())
+    assert info["demos"] == str(demos) and alone["demos"] is None
+    # the demos' states join the training split; the held-out episodes are data='s, the same as without them
+    demo_states = DemoDataset.load(demos).num_steps
+    assert info["train"]["states"] == alone["train"]["states"] + demo_states
+    assert info["train"]["success_states"] >= alone["train"]["success_states"] + 4
+    assert info["held_out_episodes"] == alone["held_out_episodes"]
+    assert info["held_out"]["states"] == alone["held_out"]["states"]
+    capsys.readouterr()
+    refused(tmp_path, capsys, ["train-reward", *REACH, f"data={data}", f"demos={tmp_path / 'nothing'}"],
+            f"demos dataset '{tmp_path / 'nothing'}' does not exist")
+    assert main(["collect", *REACH, "pixels=true", "image_size=8", "demos=2", "num_envs=2",
+                 f"run_dir={tmp_path / 'small'}"]) == 0
+    capsys.readouterr()
+    refused(tmp_path, capsys, ["train-reward", *REACH, f"data={data}", f"demos={tmp_path / 'small' / 'demos.zarr'}"],
+            "has 8x8 frames, data= 16x16")
+
+
 @pytest.mark.parametrize("algo", sorted(FINETUNE))
 @pytest.mark.parametrize("kind", ["success", "success_progress"])
 def test_finetune_learns_from_the_learned_reward_and_logs_both_successes(reward_run, tmp_path, capsys, algo, kind):

@@ -1,4 +1,4 @@
-"""`embodied-rl train-reward task=T data=DATASET [kind=cnn|cnn_film] [progress=milestones|time|none] ...`
+"""`embodied-rl train-reward task=T data=DATASET [demos=DATASET] [kind=cnn|cnn_film] [progress=milestones|time|none] ...`
 
 Trains a reward model (docs/rewards.md) on a dataset that `collect pixels=true` wrote (a
 checkpoint's rollouts with `checkpoint=PATH`: successes and failures, the true success per step)
@@ -45,6 +45,8 @@ def validate(cfg: DictConfig) -> None:
     validate_common(cfg)
     if not Path(str(cfg.data)).expanduser().exists():
         raise UserError(f"dataset '{cfg.data}' does not exist")
+    if cfg.demos is not None and not Path(str(cfg.demos)).expanduser().exists():
+        raise UserError(f"demos dataset '{cfg.demos}' does not exist")
     for key in ("steps", "batch_size", "log_every", "pause_steps", "feature_dim", "hidden_dim"):
         _integer(cfg, key, 1)
     if cfg.eval_every is not None:
@@ -73,7 +75,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     from embodied_rl.data import DemoDataset
     from embodied_rl.envs.registry import task_class
     from embodied_rl.rewards import make_reward_model, save_reward_model
-    from embodied_rl.rewards.data import reward_samples
+    from embodied_rl.rewards.data import concatenate_samples, reward_samples
     from embodied_rl.rewards.model import CHECKPOINT_DIR
     from embodied_rl.rewards.plots import plot_held_out
     from embodied_rl.rewards.train import (
@@ -101,6 +103,19 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     train, held_out = split_episodes(samples, float(cfg.val_fraction), int(cfg.seed))
     if len(held_out) == 0:
         raise UserError(f"dataset '{cfg.data}' has too few episodes to hold some out ({dataset.num_episodes})")
+    if cfg.demos is not None:
+        demos = DemoDataset.load(Path(str(cfg.demos)).expanduser())
+        if demos.attrs.get("task") != task_name or demos.instructions != dataset.instructions:
+            raise UserError(f"demos dataset '{cfg.demos}' was collected on task '{demos.attrs.get('task')}' "
+                            f"{'with other instructions ' if demos.attrs.get('task') == task_name else ''}"
+                            f"than data= ('{task_name}')")
+        demo_samples = reward_samples(demos, progress, task.effector_obs, task.gripper_obs, float(cfg.pause_speed),
+                                      int(cfg.pause_steps))
+        if demo_samples.frames.shape[1:] != samples.frames.shape[1:]:
+            raise UserError(f"demos dataset '{cfg.demos}' has {demo_samples.frames.shape[1]}x"
+                            f"{demo_samples.frames.shape[2]} frames, data= {samples.frames.shape[1]}x"
+                            f"{samples.frames.shape[2]}: collect both at one image_size")
+        train = concatenate_samples([train, demo_samples])  # training only: the scores stay on data='s episodes
     torch.manual_seed(int(cfg.seed))
     model = make_reward_model(
         kind, task=task_name, image_size=int(samples.frames.shape[1]), obs_dim=int(samples.state.shape[1]),
@@ -121,6 +136,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         info = {"task": task_name, "dataset": str(dataset.path), "kind": kind, "progress_labels": progress,
                 "use_state": use_state,
                 "held_out": scores, "held_out_episodes": sorted(set(held_out.episode.tolist())),
+                "demos": None if cfg.demos is None else str(cfg.demos),
                 "train": {"states": len(train), "success_states": int(train.success.sum())},
                 "config": OmegaConf.to_container(cfg, resolve=True)}
         checkpoint = save_reward_model(model, run.file(CHECKPOINT_DIR),

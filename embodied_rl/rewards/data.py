@@ -92,6 +92,18 @@ def reward_samples(dataset, progress: str, effector_obs: tuple[int, ...] = (), g
     return RewardSamples(frames, state, dataset.instruction, success, labels.astype(np.float32), episode, time)
 
 
+def concatenate_samples(parts: list[RewardSamples]) -> RewardSamples:
+    """The rows of every part, each part's episodes numbered after the previous part's."""
+    offsets = np.cumsum([0] + [int(part.episode.max()) + 1 for part in parts[:-1]])
+    instructions = [part.instruction for part in parts]
+    return RewardSamples(
+        np.concatenate([part.frames for part in parts]), np.concatenate([part.state for part in parts]),
+        None if any(i is None for i in instructions) else np.concatenate(instructions),
+        np.concatenate([part.success for part in parts]), np.concatenate([part.progress for part in parts]),
+        np.concatenate([part.episode + offset for part, offset in zip(parts, offsets)]),
+        np.concatenate([part.time for part in parts]))
+
+
 def _per_episode(starts: np.ndarray, ends: np.ndarray, label) -> np.ndarray:
     return np.concatenate([label(s, e) for s, e in zip(starts, ends)])
 
