@@ -464,16 +464,22 @@ def test_recap_rollout_data_trains_from_bc_on_each_kind_of_rollout(tmp_path, cap
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == report
 
 
-def test_dsrl_ceiling_best_of_n_is_at_least_every_draw(tmp_path, capsys, monkeypatch):
-    from embodied_rl.envs.tasks.reach import ReachTask
+def save_tiny_reach_flow(path: Path) -> None:
+    """An untrained flow policy on reach, saved as a BC checkpoint."""
     from embodied_rl.policies import make_policy, save_policy
 
-    monkeypatch.setattr(ReachTask, "success_radius", 0.08)  # the untrained policy's episodes end both ways
-    bench = load_benchmark("dsrl_ceiling")
     torch.manual_seed(0)
     policy = make_policy("flow", obs_dim=8, action_dim=2, n_obs_steps=2, horizon=4, n_action_steps=2,
                          num_inference_steps=2, task="reach", backbone_kwargs=dict(hidden_dim=16, num_blocks=1, time_dim=8))
-    save_policy(policy, tmp_path / "bc")
+    save_policy(policy, path)
+
+
+def test_dsrl_ceiling_best_of_n_is_at_least_every_draw(tmp_path, capsys, monkeypatch):
+    from embodied_rl.envs.tasks.reach import ReachTask
+
+    monkeypatch.setattr(ReachTask, "success_radius", 0.08)  # the untrained policy's episodes end both ways
+    bench = load_benchmark("dsrl_ceiling")
+    save_tiny_reach_flow(tmp_path / "bc")
     result = bench.run(bench.parse_args(["--checkpoint", str(tmp_path / "bc"), "--task", "reach", "--episodes", "16",
                                          "--num-envs", "8", "--draws", "3"]))
     average = result["average"]
@@ -498,13 +504,8 @@ def test_dsrl_learnability_labels_complete_episodes_with_their_discounted_succes
 
 
 def test_dsrl_learnability_reports_target_and_residual_fits(tmp_path, capsys):
-    from embodied_rl.policies import make_policy, save_policy
-
     bench = load_benchmark("dsrl_learnability")
-    torch.manual_seed(0)
-    policy = make_policy("flow", obs_dim=8, action_dim=2, n_obs_steps=2, horizon=4, n_action_steps=2,
-                         num_inference_steps=2, task="reach", backbone_kwargs=dict(hidden_dim=16, num_blocks=1, time_dim=8))
-    save_policy(policy, tmp_path / "bc")
+    save_tiny_reach_flow(tmp_path / "bc")
     result = bench.run(bench.parse_args(["--checkpoint", str(tmp_path / "bc"), "--task", "reach", "--transitions", "400",
                                          "--num-envs", "8", "--hidden", "16", "--fit-steps", "250",
                                          "--max-episode-steps", "10"]))
