@@ -145,7 +145,7 @@ def run(args) -> dict:
     }
     with torch.no_grad():
         residual = target - state_net(torch.tensor(rows["s"], dtype=torch.float32)).squeeze(-1).numpy()
-    advantage_r2 = {
+    residual_r2 = {
         "state_noise": fit(state_noise, residual, held_out, args, seed=2)[0],
         "state_chunk": fit(state_chunk, residual, held_out, args, seed=2)[0],
     }
@@ -154,11 +154,11 @@ def run(args) -> dict:
     print(f"V(s) on the Monte-Carlo return: held-out R^2 {value_r2:.3f}")
     print(f"TD target, held-out R^2: f(s) {r2['state']:.3f}  f(s, w) {r2['state_noise']:.3f}  "
           f"f(s, a) {r2['state_chunk']:.3f}")
-    print(f"residual y - f(s), held-out R^2: f(s, w) {advantage_r2['state_noise']:.3f}  "
-          f"f(s, a) {advantage_r2['state_chunk']:.3f}")
+    print(f"residual y - f(s), held-out R^2: f(s, w) {residual_r2['state_noise']:.3f}  "
+          f"f(s, a) {residual_r2['state_chunk']:.3f}")
     return {"task": args.task, "transitions": int(len(target)), "episodes": int(len(episodes)),
             "hidden": args.hidden, "depth": args.depth, "value_r2": value_r2, "td_target_r2": r2,
-            "residual_r2": advantage_r2}
+            "residual_r2": residual_r2}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -95,8 +95,12 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     kind = cfg.kind if cfg.kind != "auto" else ("cnn_film" if dataset.instructions else "cnn")
     progress = cfg.progress if cfg.progress != "auto" else ("milestones" if task.effector_obs else "time")
     use_state = cfg.use_state if cfg.use_state != "auto" else task.proprioceptive_state
-    samples = reward_samples(dataset, progress, task.effector_obs, task.gripper_obs, float(cfg.pause_speed),
-                             int(cfg.pause_steps))
+
+    def labelled(data: DemoDataset):
+        return reward_samples(data, progress, task.effector_obs, task.gripper_obs, float(cfg.pause_speed),
+                              int(cfg.pause_steps))
+
+    samples = labelled(dataset)
     if not samples.success.any() or samples.success.all():
         raise UserError(f"dataset '{cfg.data}' has {'no' if not samples.success.any() else 'only'} success states; "
                         "a success classifier needs both (record a checkpoint's rollouts: collect checkpoint=PATH)")
@@ -105,12 +109,12 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         raise UserError(f"dataset '{cfg.data}' has too few episodes to hold some out ({dataset.num_episodes})")
     if cfg.demos is not None:
         demos = DemoDataset.load(Path(str(cfg.demos)).expanduser())
-        if demos.attrs.get("task") != task_name or demos.instructions != dataset.instructions:
-            raise UserError(f"demos dataset '{cfg.demos}' was collected on task '{demos.attrs.get('task')}' "
-                            f"{'with other instructions ' if demos.attrs.get('task') == task_name else ''}"
-                            f"than data= ('{task_name}')")
-        demo_samples = reward_samples(demos, progress, task.effector_obs, task.gripper_obs, float(cfg.pause_speed),
-                                      int(cfg.pause_steps))
+        if demos.attrs.get("task") != task_name:
+            raise UserError(f"demos dataset '{cfg.demos}' was collected on task '{demos.attrs.get('task')}', "
+                            f"data= on '{task_name}'")
+        if demos.instructions != dataset.instructions:
+            raise UserError(f"demos dataset '{cfg.demos}' has other instructions than data=")
+        demo_samples = labelled(demos)
         if demo_samples.frames.shape[1:] != samples.frames.shape[1:]:
             raise UserError(f"demos dataset '{cfg.demos}' has {demo_samples.frames.shape[1]}x"
                             f"{demo_samples.frames.shape[2]} frames, data= {samples.frames.shape[1]}x"
