@@ -108,6 +108,11 @@ def test_train_reward_takes_expert_demos_for_training_only(reward_run, tmp_path,
     capsys.readouterr()
     refused(tmp_path, capsys, ["train-reward", *REACH, f"data={data}", f"demos={tmp_path / 'small' / 'demos.zarr'}"],
             "has 8x8 frames, data= 16x16")
+    assert main(["collect", "task=push_t", "pixels=true", "image_size=16", "demos=1", "num_envs=1",
+                 f"run_dir={tmp_path / 'push_t'}"]) == 0
+    capsys.readouterr()
+    refused(tmp_path, capsys, ["train-reward", *REACH, f"data={data}", f"demos={tmp_path / 'push_t' / 'demos.zarr'}"],
+            "was collected on task 'push_t', data= on 'reach'")
 
 
 @pytest.mark.parametrize("algo", sorted(FINETUNE))
