@@ -22,8 +22,10 @@ demo: install
 
 # `make test` runs every test (what CI runs); `make test-fast` leaves out the end-to-end and slow
 # ones (pytest marks e2e, slow: pyproject.toml) for the edit-test loop. pytest exits 5 when it
-# collected no tests: that is a failure, never a silent pass.
-PYTEST = MUJOCO_GL=$${MUJOCO_GL:-egl} $(BIN)/python -m pytest -q -p no:cacheprovider
+# collected no tests: that is a failure, never a silent pass. Tests run in TEST_WORKERS processes
+# (pytest-xdist; 2 = the 2-core machine CI runs on), each test on one torch thread (tests/conftest.py).
+TEST_WORKERS ?= 2
+PYTEST = MUJOCO_GL=$${MUJOCO_GL:-egl} OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 NO_TESTS = status=$$?; if [ $$status -eq 5 ]; then echo "make $@: pytest collected no tests" >&2; fi; exit $$status
 
 test: install
