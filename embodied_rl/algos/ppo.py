@@ -186,7 +186,8 @@ def collect_ppo(env, henv, actor, obs, num_steps: int, loop: FinetuneLoop, spars
                 shaping: PotentialShaping | None = None, bootstrap_truncation: bool = True, on_episodes=None):
     """`num_steps` MDP steps of every env. Returns (batch dict [T, N, ...], next obs).
     Finished episodes (the env's own return and success) go to `loop`, which also counts the env
-    steps, and to `on_episodes(done, info)` where given; the batch holds the training reward.
+    steps, and to `on_episodes(done, info)` where given (at every step, on every rank: it may sum over
+    ranks); the batch holds the training reward.
     `bootstrap_truncation=False` gives a time-limited episode no value after its last step (the
     time limit is part of the task: success must come before it)."""
     rows = []
@@ -201,7 +202,7 @@ def collect_ppo(env, henv, actor, obs, num_steps: int, loop: FinetuneLoop, spars
             if not bootstrap_truncation:
                 next_value[truncated] = 0.0
         loop.advance(env.num_envs * steps_per_mdp, info)
-        if on_episodes is not None and bool(done.any()):
+        if on_episodes is not None:
             on_episodes(done, info)
         train_reward = training_reward(reward, info, sparse_reward)
         if shaping is not None:
@@ -318,13 +319,13 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         earned.load_state_dict(saved["earned_anchor"])
         episode_regime = saved["episode_regime"]
 
-    def starting_regime() -> int:  # the regime of an episode that starts now
-        return earned.regime(CRITIC if loop.counters["iteration"] < algo.critic_warmup_iters else FULL)
+    def starting_tag(episodes: int) -> int:  # EarnedReach's tag of `episodes` episodes that start now
+        return earned.start(CRITIC if loop.counters["iteration"] < algo.critic_warmup_iters else FULL, episodes)
 
     def record_episodes(done: torch.Tensor, info: dict[str, Any]) -> None:
         ended = done.cpu()
         earned.record(episode_regime[ended], visible_success(info)[ended])
-        episode_regime[ended] = starting_regime()
+        episode_regime[ended] = starting_tag(int(ended.sum()))
 
     # ---- the env; chunk actors see obs histories kept by HistoryEnv ----
     history = ObsHistory(actor.n_obs_steps)
@@ -333,7 +334,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         obs, _ = henv.reset(seed=distributed.rank_seed(int(cfg.seed) + loop.env_steps))
         actor.reset(torch.ones(num_envs, dtype=torch.bool))
         if earned is not None:
-            episode_regime[:] = starting_regime()
+            episode_regime[:] = starting_tag(num_envs)
     else:  # continue exactly where the checkpoint stopped: same env states, histories, queues
         env.set_state(saved["env"])
         obs, history.buffer = map_obs(lambda o: o.to(device), saved["obs"]), saved["history"]

@@ -371,7 +371,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     if saved is None or saved["env"] is None:  # new episodes: a new run, or a backend without snapshots
         obs, _ = env.reset(seed=distributed.rank_seed(seed + loop.env_steps))
         base = queue.act(obs)
-        episode_regime = torch.full((num_envs,), earned.regime(warm_start.phase(loop.env_steps)))
+        episode_regime = torch.full((num_envs,), earned.start(warm_start.phase(loop.env_steps), num_envs))
     else:  # continue exactly where the checkpoint stopped
         env.set_state(saved["env"])
         obs, base, window = saved["obs"], saved["base"], saved["window"]
@@ -406,7 +406,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         takeover.after_step(reward, done, info)
         ended = info["_episode"].cpu()
         earned.record(episode_regime[ended], visible_success(info)[ended])
-        episode_regime[done.cpu()] = earned.regime(phase)  # the episodes that start at the next step
+        episode_regime[done.cpu()] = earned.start(phase, int(done.sum()))  # the episodes that start at the next step
         final_obs = where_obs(done, info["final_obs"], next_obs)
         bootstrap_base = queue.peek(final_obs, done)  # what the base policy would do at final_obs
         queue.reset(done.cpu())

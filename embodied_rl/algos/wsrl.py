@@ -82,82 +82,109 @@ class EarnedReach:
 
     The critic-only phase measures the baseline: the success of training episodes with the actor
     still untouched (the base policy, the first reach and the exploration noise). In the full
-    phase, every `window` finished episodes give a verdict against it, with a margin of two
-    standard errors of the difference (at least one episode in the window):
+    phase, episodes are grouped into cohorts by when they START: a cohort takes the episodes that
+    start until `window` of them have started (summed over ranks), and once every one of them has
+    ended it gives a verdict against the baseline, with a margin of two standard errors of the
+    difference (at least one episode in the cohort):
         success above baseline + margin -> the cap grows by REACH_STEP (up to 1),
         success below baseline - margin -> the cap shrinks by REACH_STEP (down to FIRST_REACH),
         else it stays.
+    A cap that moves drops the cohorts still under way: they started under the old cap.
+    Why by start: where success ends an episode, successes are short, so the first `window`
+    episodes to END after any moment are mostly successes; a verdict on them finds gains that are
+    not there (64 envs, a window of 50, the same success before and after: the cap climbed to 1 on
+    most seeds). Which episodes START in a cohort does not depend on how they end.
     The cap starts at `free_reach`: up to there the ramp alone sets the reach (1.0: no cap).
-    Each episode counts for the regime it started in (`regime`: the critic-only phase, or the
-    full phase under the cap of its start), once it ends: counting episodes by when they end
-    would favour the short, successful ones at the start of a regime and the long failures after it.
-    Why: on a task BC already solves, a residual at full reach follows the critic's slope into
-    misses the critic cannot see (Meta-World peg-insert-side, .96 -> .46 at scale 0.5; .96 held at
-    0.2), while a task far from solved needs the full reach (tabletop peg_insert: 0.5). Success,
-    not the critic, decides which of the two a task is (docs/finetuning.md, "Do no harm").
-    Episode counts are summed over ranks, so every rank holds the same cap.
+    Why a cap at all: on a task BC already solves, a residual at full reach follows the critic's
+    slope into misses the critic cannot see (Meta-World peg-insert-side, .96 -> .46 at scale 0.5;
+    .96 held at 0.2), while a task far from solved needs the full reach (tabletop peg_insert: 0.5).
+    Success, not the critic, decides which of the two a task is (docs/finetuning.md, "Do no harm").
+    Counts are summed over ranks, so every rank holds the same cap and the same cohorts.
     """
 
     free_reach: float = 1.0
     window: int = 50
 
-    IGNORED, BASELINE = -1, 0  # regimes: warm-up episodes count for nothing; critic-only ones are the baseline
+    IGNORED, BASELINE = -1, 0  # tags: warm-up episodes count for nothing; critic-only ones are the baseline
 
     def __post_init__(self) -> None:
         if not 0 < self.free_reach <= 1 or self.window < 1:
             raise UserError("free_reach must be in (0, 1] and reach_window >= 1")
         self.cap = self.free_reach
-        self.full_regime = 1  # the regime of full-phase episodes started under the present cap
-        self.counts = {"baseline": [0.0, 0.0], "window": [0.0, 0.0]}  # [successes, episodes]
+        self.baseline_counts = [0.0, 0.0]  # [successes, episodes]
+        self.open_cohort = 1  # the tag of full-phase episodes that start now (cohort tags count up from 1)
+        self.cohorts: dict[int, list[float]] = {1: [0.0, 0.0, 0.0]}  # tag -> [successes, ended, started]
+        self.started_here = 0  # this rank's starts in the open cohort since the last record()
 
     @property
     def baseline(self) -> float | None:
-        successes, episodes = self.counts["baseline"]
+        successes, episodes = self.baseline_counts
         return successes / episodes if episodes else None
 
-    def regime(self, phase: str) -> int:
-        """The regime an episode starting now belongs to."""
+    def start(self, phase: str, episodes: int) -> int:
+        """The tag of `episodes` episodes that start now on this rank."""
         if self.free_reach == 1.0 or phase == WARMUP:
             return self.IGNORED
-        return self.BASELINE if phase == CRITIC else self.full_regime
+        if phase == CRITIC:
+            return self.BASELINE
+        self.started_here += episodes
+        return self.open_cohort
 
-    def record(self, regimes: Tensor, successes: Tensor) -> None:
-        """Episodes that ended (their regimes and successes, this rank's); a full window moves the cap."""
+    def record(self, tags: Tensor, successes: Tensor) -> None:
+        """Episodes that ended on this rank (their tags and successes); complete cohorts move the cap.
+        Called at every env step on every rank (the counts are summed over ranks)."""
         if self.free_reach == 1.0:
             return
-        counts = torch.stack([successes[regimes == self.BASELINE].float().sum(), (regimes == self.BASELINE).float().sum(),
-                              successes[regimes == self.full_regime].float().sum(),
-                              (regimes == self.full_regime).float().sum()])
-        baseline_successes, baseline_episodes, successes_now, episodes_now = distributed.all_sum(counts).tolist()
-        self.counts["baseline"][0] += baseline_successes
-        self.counts["baseline"][1] += baseline_episodes
-        window = self.counts["window"]
-        window[0] += successes_now
-        window[1] += episodes_now
-        if window[1] < self.window:
+        successes = successes.float()
+        rows = [[successes[tags == self.BASELINE].sum(), (tags == self.BASELINE).sum()]]
+        rows += [[successes[tags == tag].sum(), (tags == tag).sum()] for tag in self.cohorts]
+        counts = torch.tensor([[float(value) for value in row] for row in rows] + [[float(self.started_here), 0.0]])
+        counts = distributed.all_sum(counts).tolist()
+        self.started_here = 0
+        self.baseline_counts = [a + b for a, b in zip(self.baseline_counts, counts[0])]
+        for (done_successes, ended), cohort in zip(counts[1:-1], self.cohorts.values()):
+            cohort[0] += done_successes
+            cohort[1] += ended
+        self.cohorts[self.open_cohort][2] += counts[-1][0]
+        if self.cohorts[self.open_cohort][2] >= self.window:  # full: the next episodes open a new cohort
+            self.open_cohort += 1
+            self.cohorts[self.open_cohort] = [0.0, 0.0, 0.0]
+        oldest = min(self.cohorts)
+        while oldest != self.open_cohort and self.cohorts[oldest][1] >= self.cohorts[oldest][2]:
+            done_successes, ended, _ = self.cohorts.pop(oldest)
+            self._verdict(done_successes / ended, ended)
+            oldest = min(self.cohorts)
+
+    def _verdict(self, rate: float, n: float) -> None:
+        if self.baseline is None:  # no critic-only phase: the first cohort is the baseline
+            self.baseline_counts = [rate * n, n]
             return
-        rate, n = window[0] / window[1], window[1]
-        if self.baseline is None:  # no critic-only phase: the first full window is the baseline
-            self.counts["baseline"] = list(window)
-        else:
-            base, m = self.baseline, self.counts["baseline"][1]
-            margin = max(2.0 * (base * (1 - base) / m + rate * (1 - rate) / n) ** 0.5, 1.0 / n)
-            cap = self.cap
-            if rate > base + margin:
-                self.cap = min(1.0, self.cap + REACH_STEP)
-            elif rate < base - margin:
-                self.cap = max(FIRST_REACH, self.cap - REACH_STEP)
-            if self.cap != cap:  # episodes under way started under the old cap: they count for nothing
-                self.full_regime += 1
-        self.counts["window"] = [0.0, 0.0]
+        base, m = self.baseline, self.baseline_counts[1]
+        margin = max(2.0 * (base * (1 - base) / m + rate * (1 - rate) / n) ** 0.5, 1.0 / n)
+        cap = self.cap
+        if rate > base + margin:
+            self.cap = min(1.0, self.cap + REACH_STEP)
+        elif rate < base - margin:
+            self.cap = max(FIRST_REACH, self.cap - REACH_STEP)
+        if self.cap != cap:  # the cohorts under way started under the old cap: they count for nothing
+            self.open_cohort = max(self.cohorts) + 1
+            self.cohorts = {self.open_cohort: [0.0, 0.0, 0.0]}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cap": self.cap, "full_regime": self.full_regime,
-                "counts": {key: list(value) for key, value in self.counts.items()}}
+        return {"cap": self.cap, "baseline": list(self.baseline_counts), "open_cohort": self.open_cohort,
+                "cohorts": {tag: list(counts) for tag, counts in self.cohorts.items()}, "started_here": self.started_here}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.cap, self.full_regime = float(state["cap"]), int(state["full_regime"])
-        self.counts = {key: list(value) for key, value in state["counts"].items()}
+        self.cap = float(state["cap"])
+        if "cohorts" not in state:  # written before cohorts: its full-phase episodes under way count for nothing
+            self.baseline_counts = list(state["counts"]["baseline"])
+            self.open_cohort = int(state["full_regime"]) + 1
+            self.cohorts, self.started_here = {self.open_cohort: [0.0, 0.0, 0.0]}, 0
+            return
+        self.baseline_counts = list(state["baseline"])
+        self.open_cohort = int(state["open_cohort"])
+        self.cohorts = {int(tag): list(counts) for tag, counts in state["cohorts"].items()}
+        self.started_here = int(state["started_here"])
 
 
 def visible_success(info: dict[str, Any]) -> Tensor:

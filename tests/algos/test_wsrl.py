@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -54,57 +55,113 @@ def test_a_ramped_td3_learner_explores_at_the_full_scale():
     assert float(residual.abs().max()) <= algo.residual_scale
 
 
-def ended(earned, regime, successes, episodes):
-    """`episodes` episodes of `regime` end, `successes` of them successful."""
-    earned.record(torch.full((episodes,), regime), torch.arange(episodes) < successes)
+def ended(earned, tag, successes, episodes):
+    """`episodes` episodes of `tag` end, `successes` of them successful."""
+    earned.record(torch.full((episodes,), tag), torch.arange(episodes) < successes)
+
+
+def cohort(earned, successes, episodes=50):
+    """`episodes` full-phase episodes start, then end, `successes` of them successful."""
+    tag = earned.start(FULL, episodes)
+    ended(earned, tag, successes, episodes)
+    return tag
+
+
+def baseline(earned, successes, episodes):
+    tag = earned.start(CRITIC, episodes)
+    assert tag == EarnedReach.BASELINE
+    ended(earned, tag, successes, episodes)
 
 
 def test_reach_past_the_free_part_is_earned_by_success_and_lost_by_harm():
     earned = EarnedReach(free_reach=0.4, window=50)
-    assert earned.regime(WARMUP) == EarnedReach.IGNORED and earned.regime(CRITIC) == EarnedReach.BASELINE
-    ended(earned, earned.regime(WARMUP), 50, 50)  # warm-up episodes (no exploration noise) are not the baseline
-    for _ in range(10):
-        ended(earned, earned.regime(CRITIC), 6, 10)
+    assert earned.start(WARMUP, 50) == EarnedReach.IGNORED
+    ended(earned, EarnedReach.IGNORED, 50, 50)  # warm-up episodes (no exploration noise) are not the baseline
+    baseline(earned, 60, 100)
     assert earned.baseline == 0.6 and earned.cap == 0.4
-    full = earned.regime(FULL)
     # margin: 2 sqrt(.24/100 + r(1-r)/50); 0.7 lies within it, 0.9 above, 0.4 below
-    ended(earned, full, 35, 50)
-    assert earned.cap == 0.4 and earned.regime(FULL) == full
-    ended(earned, full, 45, 50)
+    cohort(earned, 35)
+    assert earned.cap == 0.4
+    cohort(earned, 45)
     assert earned.cap == pytest.approx(0.6)
-    ended(earned, full, 0, 30)  # started under the old cap: they count for nothing
-    assert earned.counts["window"] == [0.0, 0.0]
-    full = earned.regime(FULL)
-    ended(earned, full, 20, 30)  # an unfinished window gives no verdict
-    assert earned.cap == pytest.approx(0.6)
-    ended(earned, full, 0, 20)  # 20 / 50 = 0.4
+    cohort(earned, 20)
     assert earned.cap == pytest.approx(0.4)
     for _ in range(5):
-        ended(earned, earned.regime(FULL), 50, 50)
+        cohort(earned, 50)
     assert earned.cap == 1.0
     for _ in range(10):
-        ended(earned, earned.regime(FULL), 0, 50)
+        cohort(earned, 0)
     assert earned.cap == FIRST_REACH
     ended(earned, EarnedReach.BASELINE, 40, 40)  # critic-only episodes that end late still join the baseline
-    assert earned.counts["baseline"] == [100.0, 140.0]
+    assert earned.baseline_counts == [100.0, 140.0]
+
+
+def test_a_cohort_is_judged_on_every_episode_that_started_in_it_not_on_the_first_to_end():
+    earned = EarnedReach(free_reach=0.4, window=50)
+    baseline(earned, 60, 100)
+    first = earned.start(FULL, 30)
+    earned.record(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool))
+    second = earned.start(FULL, 30)  # the cohort is full (60 >= 50) only once these are counted
+    ended(earned, first, 30, 30)  # the short episodes end first: successes
+    ended(earned, second, 10, 20)  # the first 50 to end: 0.8 (above 0.6's margin); 10 of the cohort run on
+    assert earned.cap == 0.4 and second == first
+    later = earned.start(FULL, 64)  # the next cohort
+    assert later != first
+    ended(earned, first, 0, 10)  # the long failures: 40 / 60, within the margin of 0.6
+    assert earned.cap == 0.4 and first not in earned.cohorts
+
+
+def test_with_short_successes_and_no_change_in_success_the_cap_stays_where_it_was():
+    # 64 envs; a success ends the episode after 25-59 steps, a failure at the limit (100): the first
+    # episodes to end are mostly successes. Success is 0.6 before and after the actor starts.
+    caps = []
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        earned = EarnedReach(free_reach=0.4, window=50)
+        steps_left, success, tags = np.zeros(64, int), np.zeros(64, bool), np.full(64, EarnedReach.IGNORED)
+        for step in range(800):
+            done = steps_left == 0
+            earned.record(torch.as_tensor(tags[done]), torch.as_tensor(success[done]))
+            tags[done] = earned.start(CRITIC if step < 160 else FULL, int(done.sum()))
+            success[done] = rng.random(int(done.sum())) < 0.6
+            steps_left[done] = np.where(success[done], rng.integers(25, 60, int(done.sum())), 100)
+            steps_left -= 1
+        caps.append(earned.cap)
+    assert max(caps) < 0.61, caps  # verdicts on the first episodes to end took it to 1.0 on most seeds
+
+
+def test_a_cap_that_moves_drops_the_cohorts_under_way_and_the_state_round_trips():
+    earned = EarnedReach(free_reach=0.4, window=50)
+    baseline(earned, 60, 100)
+    judged = earned.start(FULL, 50)
+    earned.record(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool))
+    under_way = earned.start(FULL, 40)  # started under the old cap
+    ended(earned, judged, 50, 50)
+    assert earned.cap == pytest.approx(0.6) and under_way not in earned.cohorts
+    ended(earned, under_way, 0, 40)  # they count for nothing
+    assert earned.cap == pytest.approx(0.6)
+    earned.start(FULL, 7)
     restored = EarnedReach(free_reach=0.4, window=50)
     restored.load_state_dict(earned.state_dict())
-    assert (restored.cap, restored.counts, restored.full_regime) == (earned.cap, earned.counts, earned.full_regime)
+    assert restored.state_dict() == earned.state_dict()
+    written_before_cohorts = {"cap": 0.8, "full_regime": 3, "counts": {"baseline": [6.0, 10.0], "window": [1.0, 2.0]}}
+    restored.load_state_dict(written_before_cohorts)
+    assert (restored.cap, restored.baseline, restored.open_cohort) == (0.8, 0.6, 4)
 
 
-def test_a_solved_task_keeps_its_free_reach_and_without_a_critic_phase_the_first_window_is_the_baseline():
+def test_a_solved_task_keeps_its_free_reach_and_without_a_critic_phase_the_first_cohort_is_the_baseline():
     solved = EarnedReach(free_reach=0.4, window=10)
-    ended(solved, EarnedReach.BASELINE, 40, 40)
+    baseline(solved, 40, 40)
     for _ in range(5):
-        ended(solved, solved.regime(FULL), 10, 10)  # cannot beat a baseline of 1
+        cohort(solved, 10, 10)  # cannot beat a baseline of 1
     assert solved.cap == 0.4
-    ended(solved, solved.regime(FULL), 6, 10)  # 0.6 < 1 - 2 sqrt(0.024): harm (0.8 lies within the margin)
+    cohort(solved, 6, 10)  # 0.6 < 1 - 2 sqrt(0.024): harm (0.8 lies within the margin)
     assert solved.cap == pytest.approx(0.2)
     direct = EarnedReach(free_reach=0.4, window=10)
-    ended(direct, direct.regime(FULL), 2, 10)
+    cohort(direct, 2, 10)
     assert direct.baseline == 0.2 and direct.cap == 0.4
     off = EarnedReach(free_reach=1.0, window=10)
-    assert off.regime(CRITIC) == off.regime(FULL) == EarnedReach.IGNORED
+    assert off.start(CRITIC, 10) == off.start(FULL, 10) == EarnedReach.IGNORED
     ended(off, EarnedReach.BASELINE, 0, 10)
     assert off.cap == 1.0 and off.baseline is None
 
