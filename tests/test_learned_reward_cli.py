@@ -141,6 +141,8 @@ def test_bad_learned_rewards_are_refused(reward_run, tmp_path, capsys):
             "learned_reward.kind must be one of success, success_progress, got 'shaped'")
     refused(tmp_path, capsys, [*finetune, f"reward=model:{reward_dir}", "learned_reward.hacking_gap=0"],
             "learned_reward.hacking_gap must be in (0, 1], got 0")
+    refused(tmp_path, capsys, [*finetune, f"reward=model:{reward_dir}", "learned_reward.hold_steps=0"],
+            "learned_reward.hold_steps must be an integer >= 1, got 0")
     refused(tmp_path, capsys, [*finetune, f"reward=model:{tmp_path / 'none'}"], "does not exist")
     refused(tmp_path, capsys, [*finetune, f"reward=model:{reward_dir}", "algo.reward=success"],
             "leave it at auto")
@@ -183,3 +185,16 @@ def test_bad_reward_model_training_is_refused(reward_run, tmp_path, capsys):
     refused(tmp_path, capsys, ["train-reward", *REACH, f"data={no_frames / 'demos.zarr'}"], "collect it with pixels=true")
     refused(tmp_path, capsys, ["collect", *REACH, f"checkpoint={checkpoint}", "quality=0.5"],
             "a checkpoint's rollouts have none")
+
+
+def test_reward_firing_scores_a_model_on_rollouts_at_several_operating_points(reward_run):
+    from tests.test_benchmarks import load_benchmark
+
+    _, data, run_dir = reward_run
+    result = load_benchmark("reward_firing").main(["--model", str(run_dir), "--data", str(data), "--thresholds", "0.5", "0.95", "--holds", "1", "3"])
+    rows = {(row["threshold"], row["hold_steps"]): row for row in result["rows"]}
+    assert set(rows) == {(0.5, 1), (0.5, 3), (0.95, 1), (0.95, 3)} and result["episodes"] == 16
+    for threshold in (0.5, 0.95):  # holding for longer can only fire in fewer episodes
+        assert rows[(threshold, 3)]["fires_in_successful"] <= rows[(threshold, 1)]["fires_in_successful"]
+        assert rows[(threshold, 3)]["fires_in_failed"] <= rows[(threshold, 1)]["fires_in_failed"]
+    assert rows[(0.5, 1)]["fires_in_failed"] >= rows[(0.95, 1)]["fires_in_failed"]

@@ -9,7 +9,9 @@ A LearnedRewardEnv is a BatchedEnv like any other, so every fine-tuning method t
 unchanged. At every step it shows the reward model the frame of the state each env reached and
 returns the learned reward in place of the simulator's (which never leaves `step`):
 - kind `success` (default): 1 where the success probability is >= `threshold` (0.95, as
-  HIL-SERL and LeRobot), else 0. That learned success also ends the episode (terminated), as a
+  HIL-SERL and LeRobot) on `hold_steps` consecutive steps of the episode (1: on this step), else 0.
+  Why a hold: a classifier's false positives are mostly single frames (the tabletop VLA's failed
+  episodes: 8 of 54 fire at k = 1, 2 at k = 3 consecutive), and a learner finds and repeats them. That learned success also ends the episode (terminated), as a
   HIL-SERL classifier does on a real robot, while the simulator's success does not (the env is
   made with success_terminates=False): the learner learns nothing from the true success.
 - kind `success_progress`: the same plus `progress_gain` x the learned progress at every step,
@@ -62,6 +64,7 @@ class LearnedReward:
     threshold: float
     progress_gain: float
     progress_cap: float
+    hold_steps: int = 1
 
     @classmethod
     def from_cfg(cls, cfg: Any, policy: Any) -> LearnedReward | None:
@@ -82,6 +85,9 @@ class LearnedReward:
             raise UserError(f"learned_reward.threshold must be in (0, 1), got {threshold}")
         if gain < 0.0 or not 0.0 <= cap < 1.0:
             raise UserError(f"learned_reward.progress_gain must be >= 0 and progress_cap in [0, 1), got {gain}, {cap}")
+        hold_steps = options.hold_steps
+        if isinstance(hold_steps, bool) or not isinstance(hold_steps, int) or hold_steps < 1:
+            raise UserError(f"learned_reward.hold_steps must be an integer >= 1, got {hold_steps}")
         if not 0.0 < float(options.hacking_gap) <= 1.0:
             raise UserError(f"learned_reward.hacking_gap must be in (0, 1], got {options.hacking_gap}")
         task = task_class(cfg.task.name)
@@ -99,7 +105,7 @@ class LearnedReward:
         if kind == "success_progress" and model.config["progress_labels"] == "none":
             raise UserError(f"reward model '{path}' was trained without progress labels (progress=none); "
                             "learned_reward.kind=success_progress needs them")
-        return cls(path, model, kind, threshold, gain, cap)
+        return cls(path, model, kind, threshold, gain, cap, hold_steps)
 
     def env_options(self, policy_options: dict[str, Any], task_options: dict[str, Any]) -> tuple[dict, dict]:
         """(envs.make keywords, task options) of the training env: the policy's observations with
@@ -115,7 +121,7 @@ class LearnedRewardEnv(BatchedEnv):
     """The env the learner trains in with reward=model:PATH (the module docstring). `env` renders
     pixels at the model's size; `keep_pixels` False hides them from a policy that reads none."""
 
-    STATE_KEYS = ("progress_paid", "learned_return", "learned_success_once")
+    STATE_KEYS = ("progress_paid", "learned_return", "learned_success_once", "steps_above")
 
     def __init__(self, env: BatchedEnv, learned: LearnedReward, keep_pixels: bool):
         self.env, self.learned, self.keep_pixels = env, learned, keep_pixels
@@ -132,6 +138,7 @@ class LearnedRewardEnv(BatchedEnv):
         self.progress_paid = torch.zeros(self.num_envs, device=self.device)  # this episode's progress reward
         self.learned_return = torch.zeros(self.num_envs, device=self.device)
         self.learned_success_once = torch.zeros(self.num_envs, dtype=torch.bool, device=self.device)
+        self.steps_above = torch.zeros(self.num_envs, dtype=torch.long, device=self.device)  # consecutive, this episode
 
     @property
     def can_snapshot(self) -> bool:
@@ -155,6 +162,7 @@ class LearnedRewardEnv(BatchedEnv):
         self.progress_paid[ids] = 0.0
         self.learned_return[ids] = 0.0
         self.learned_success_once[ids] = False
+        self.steps_above[ids] = 0
 
     def reset(self, seed: int | None = None, env_ids: Tensor | None = None, group_size: int | None = None):
         obs, info = self.env.reset(seed=seed, env_ids=env_ids, group_size=group_size)
@@ -168,7 +176,9 @@ class LearnedRewardEnv(BatchedEnv):
         judged = self.learned.model.judge(reached["pixels"], reached["state"], reached.get("instruction"))
         success_prob, progress = judged.success_prob.to(self.device), judged.progress.to(self.device)
         # an unstable step pays nothing, as the simulator's does
-        learned_success = (success_prob >= self.learned.threshold) & ~info["unstable"]
+        above = (success_prob >= self.learned.threshold) & ~info["unstable"]
+        self.steps_above = torch.where(above, self.steps_above + 1, 0)
+        learned_success = self.steps_above >= self.learned.hold_steps
         reward = learned_success.float()
         if self.learned.kind == "success_progress":
             bonus = torch.minimum(self.learned.progress_gain * progress, self.learned.progress_cap - self.progress_paid)
@@ -201,6 +211,8 @@ class LearnedRewardEnv(BatchedEnv):
 
     def set_state(self, state: dict[str, Tensor]) -> None:
         ours = {key: state.get(f"learned_reward/{key}") for key in self.STATE_KEYS}
+        if ours["steps_above"] is None:  # saved before hold_steps existed: every run then held for one step
+            ours["steps_above"] = torch.zeros(self.num_envs, dtype=torch.long)
         if any(value is None for value in ours.values()):
             raise UserError("env state holds no learned-reward sums (saved by a run with reward=sim?)")
         self.env.set_state({key: value for key, value in state.items() if not key.startswith("learned_reward/")})

@@ -79,12 +79,21 @@ def predict(model: Any, samples: RewardSamples, batch_size: int = 256) -> tuple[
     return np.concatenate(probs), np.concatenate(progress)
 
 
-def score_reward_model(model: Any, samples: RewardSamples, threshold: float) -> dict[str, Any]:
+def fires(success_prob: np.ndarray, threshold: float, hold_steps: int = 1) -> bool:
+    """Does the learned success fire in this episode (success_prob in step order): at or above
+    `threshold` on `hold_steps` consecutive steps (finetune's learned_reward keys)?"""
+    above = (success_prob >= threshold).astype(int)
+    return bool((np.convolve(above, np.ones(hold_steps, dtype=int), "valid") >= hold_steps).any())
+
+
+def score_reward_model(model: Any, samples: RewardSamples, threshold: float,
+                       hold_steps: tuple[int, ...] = (1, 2, 3)) -> dict[str, Any]:
     """Held-out scores: ROC-AUC of the success probability, precision and recall at `threshold`
     per state, and per episode the share of successful ones in which it fires (episode_recall)
-    and of failed ones (episode_false_positive_rate: a learner would be paid for those); VOC of
-    the predicted progress along the successful episodes up to their success, and the Spearman
-    correlation of predicted and labelled progress."""
+    and of failed ones (episode_false_positive_rate: a learner would be paid for those), also for
+    each of `hold_steps` consecutive steps ("..._by_hold"); VOC of the predicted progress along
+    the successful episodes up to their success, and the Spearman correlation of predicted and
+    labelled progress. An episode's rows are in step order (as reward_samples gives them)."""
     success_prob, progress = predict(model, samples)
     precision, recall = precision_recall_at(success_prob, samples.success, threshold)
     # the successful episodes, up to and including their first success
@@ -94,14 +103,20 @@ def score_reward_model(model: Any, samples: RewardSamples, threshold: float) -> 
     labelled = np.isfinite(samples.progress)
     # what a learner meets: does the learned success fire somewhere in an episode (it ends there)?
     episodes = np.unique(samples.episode)
-    fired = np.array([(success_prob[samples.episode == e] >= threshold).any() for e in episodes])
     succeeded = np.isin(episodes, list(first))
+    by_hold = {}
+    for hold in sorted({1, *hold_steps}):
+        fired = np.array([fires(success_prob[samples.episode == e], threshold, hold) for e in episodes])
+        by_hold[hold] = (float(fired[succeeded].mean()) if succeeded.any() else None,
+                         float(fired[~succeeded].mean()) if (~succeeded).any() else None)
     return {
         "roc_auc": roc_auc(success_prob, samples.success),
         "precision_at_threshold": precision,
         "recall_at_threshold": recall,
-        "episode_recall": float(fired[succeeded].mean()) if succeeded.any() else None,
-        "episode_false_positive_rate": float(fired[~succeeded].mean()) if (~succeeded).any() else None,
+        "episode_recall": by_hold[1][0],
+        "episode_false_positive_rate": by_hold[1][1],
+        "episode_recall_by_hold": {str(hold): rates[0] for hold, rates in by_hold.items()},
+        "episode_false_positive_rate_by_hold": {str(hold): rates[1] for hold, rates in by_hold.items()},
         "threshold": threshold,
         "voc": value_order_correlation(progress[along], samples.time[along], samples.episode[along]),
         "progress_spearman": spearman(progress[labelled], samples.progress[labelled]) if labelled.any() else None,

@@ -120,3 +120,24 @@ def test_reward_hacking_is_flagged_where_the_learned_success_outruns_the_simulat
     plain.record_episodes([0.0] * 20, [0.0] * 20)
     plain.log({}, force=True)
     assert "train/reward_gap" not in Run.rows[-1]
+
+
+def test_with_hold_steps_the_learned_success_needs_that_many_consecutive_frames():
+    judge = ScriptedJudge(2)
+    learned = LearnedReward(Path("stub"), judge, "success", threshold=0.95, progress_gain=0.0, progress_cap=0.0,
+                            hold_steps=3)
+    options, task_options = learned.env_options({"obs_mode": "state"}, {})
+    env = learned.wrap(envs.make("reach", num_envs=2, seed=0, task_options=task_options, **options), False)
+    env.reset(seed=0)
+    fired = []
+    for above in ([1, 1], [1, 0], [1, 1], [0, 1]):  # env 0 holds for 3 steps; env 1 never does
+        judge.success_prob = torch.tensor(above, dtype=torch.float)
+        _, reward, terminated, _, _ = env.step(torch.zeros(2, 2))
+        fired.append(reward.tolist())
+        assert terminated.tolist() == [r == 1.0 for r in reward.tolist()]
+    assert fired == [[0, 0], [0, 0], [1, 0], [0, 0]]
+    assert env.steps_above.tolist() == [0, 2]  # env 0's new episode starts its count afresh
+    snapshot = env.get_state()
+    del snapshot["learned_reward/steps_above"]  # a snapshot written before hold_steps
+    env.set_state(snapshot)
+    assert env.steps_above.tolist() == [0, 0]
