@@ -4,7 +4,7 @@ A learner paid by the learned success is paid wherever it fires: in a failed epi
 reward for failing. This script scores a `train-reward` model on another `collect` of rollouts
 (pixels=true, +task.success_terminates=false, as train-reward's data) at several thresholds and
 `learned_reward.hold_steps` values: per episode, the share of successful ones in which it fires and
-of failed ones, overall and per instruction (rewards/train.py: score_reward_model).
+of failed ones, overall and per instruction (rewards/train.py: episode_firing).
 
     OMP_NUM_THREADS=1 python benchmarks/reward_firing.py --model runs/i36/tt_reward_0 \\
         --data runs/i36/tt_rollouts_probe/demos.zarr --thresholds 0.9 0.95 0.99 --holds 1 2 3 5
@@ -36,30 +36,26 @@ def main(argv: list[str] | None = None) -> dict:
     from embodied_rl.envs.registry import task_class
     from embodied_rl.rewards import load_reward_model
     from embodied_rl.rewards.data import reward_samples
-    from embodied_rl.rewards.train import score_reward_model
+    from embodied_rl.rewards.train import episode_firing, predict
 
     model = load_reward_model(args.model).eval()
     dataset = DemoDataset.load(args.data)
     task = task_class(model.task)
     samples = reward_samples(dataset, "none", task.effector_obs, task.gripper_obs)
+    success_prob, _ = predict(model, samples)  # once: every operating point reads the same probabilities
     result = {"model": args.model, "data": args.data, "episodes": int(len(np.unique(samples.episode))), "rows": []}
     for threshold in args.thresholds:
-        scores = score_reward_model(model, samples, threshold, tuple(args.holds))
-        for hold in map(str, sorted({1, *args.holds})):
-            row = {"threshold": threshold, "hold_steps": int(hold),
-                   "fires_in_successful": scores["episode_recall_by_hold"][hold],
-                   "fires_in_failed": scores["episode_false_positive_rate_by_hold"][hold]}
-            result["rows"].append(row)
-            print(f"threshold {threshold:.2f} hold {hold}: fires in {_rate(row['fires_in_successful'])} of the "
-                  f"successful episodes, {_rate(row['fires_in_failed'])} of the failed", flush=True)
+        for hold, (successful, failed) in episode_firing(success_prob, samples, threshold, tuple(args.holds)).items():
+            result["rows"].append({"threshold": threshold, "hold_steps": int(hold),
+                                   "fires_in_successful": successful, "fires_in_failed": failed})
+            print(f"threshold {threshold:.2f} hold {hold}: fires in {_rate(successful)} of the successful episodes, "
+                  f"{_rate(failed)} of the failed", flush=True)
     if samples.instruction is not None and dataset.instructions:
-        threshold, hold = args.thresholds[0], str(max(args.holds))
+        threshold, hold = args.thresholds[0], max(args.holds)
         result["per_instruction"] = {}
         for index in np.unique(samples.instruction):
-            episodes = np.unique(samples.episode[samples.instruction == index])
-            scores = score_reward_model(model, samples.subset(np.isin(samples.episode, episodes)), threshold, (int(hold),))
-            rates = {h: [scores["episode_recall_by_hold"][h], scores["episode_false_positive_rate_by_hold"][h]]
-                     for h in ("1", hold)}
+            rows = np.isin(samples.episode, np.unique(samples.episode[samples.instruction == index]))
+            rates = episode_firing(success_prob[rows], samples.subset(rows), threshold, (hold,))
             name = dataset.instructions[int(index)]
             result["per_instruction"][name] = rates
             shown = "; ".join(f"hold {h}: successful {_rate(r[0])}, failed {_rate(r[1])}" for h, r in rates.items())

@@ -86,6 +86,21 @@ def fires(success_prob: np.ndarray, threshold: float, hold_steps: int = 1) -> bo
     return bool((np.convolve(above, np.ones(hold_steps, dtype=int), "valid") >= hold_steps).any())
 
 
+def episode_firing(success_prob: np.ndarray, samples: RewardSamples, threshold: float,
+                   hold_steps: tuple[int, ...]) -> dict[str, tuple[float | None, float | None]]:
+    """Per hold k (1 always included): (share of successful episodes in which the learned success
+    fires, share of failed ones). An episode's rows are in step order (as reward_samples gives them)."""
+    episodes = np.unique(samples.episode)
+    succeeded = np.isin(episodes, np.unique(samples.episode[samples.success]))
+    probs = [success_prob[samples.episode == e] for e in episodes]
+    rates = {}
+    for hold in sorted({1, *hold_steps}):
+        fired = np.array([fires(p, threshold, hold) for p in probs])
+        rates[str(hold)] = (float(fired[succeeded].mean()) if succeeded.any() else None,
+                            float(fired[~succeeded].mean()) if (~succeeded).any() else None)
+    return rates
+
+
 def score_reward_model(model: Any, samples: RewardSamples, threshold: float,
                        hold_steps: tuple[int, ...] = (1, 2, 3)) -> dict[str, Any]:
     """Held-out scores: ROC-AUC of the success probability, precision and recall at `threshold`
@@ -93,7 +108,7 @@ def score_reward_model(model: Any, samples: RewardSamples, threshold: float,
     and of failed ones (episode_false_positive_rate: a learner would be paid for those), also for
     each of `hold_steps` consecutive steps ("..._by_hold"); VOC of the predicted progress along
     the successful episodes up to their success, and the Spearman correlation of predicted and
-    labelled progress. An episode's rows are in step order (as reward_samples gives them)."""
+    labelled progress."""
     success_prob, progress = predict(model, samples)
     precision, recall = precision_recall_at(success_prob, samples.success, threshold)
     # the successful episodes, up to and including their first success
@@ -102,21 +117,15 @@ def score_reward_model(model: Any, samples: RewardSamples, threshold: float,
     along = np.array([e in first and t <= first[e] for e, t in zip(samples.episode, samples.time)], dtype=bool)
     labelled = np.isfinite(samples.progress)
     # what a learner meets: does the learned success fire somewhere in an episode (it ends there)?
-    episodes = np.unique(samples.episode)
-    succeeded = np.isin(episodes, list(first))
-    by_hold = {}
-    for hold in sorted({1, *hold_steps}):
-        fired = np.array([fires(success_prob[samples.episode == e], threshold, hold) for e in episodes])
-        by_hold[hold] = (float(fired[succeeded].mean()) if succeeded.any() else None,
-                         float(fired[~succeeded].mean()) if (~succeeded).any() else None)
+    by_hold = episode_firing(success_prob, samples, threshold, hold_steps)
     return {
         "roc_auc": roc_auc(success_prob, samples.success),
         "precision_at_threshold": precision,
         "recall_at_threshold": recall,
-        "episode_recall": by_hold[1][0],
-        "episode_false_positive_rate": by_hold[1][1],
-        "episode_recall_by_hold": {str(hold): rates[0] for hold, rates in by_hold.items()},
-        "episode_false_positive_rate_by_hold": {str(hold): rates[1] for hold, rates in by_hold.items()},
+        "episode_recall": by_hold["1"][0],
+        "episode_false_positive_rate": by_hold["1"][1],
+        "episode_recall_by_hold": {hold: rates[0] for hold, rates in by_hold.items()},
+        "episode_false_positive_rate_by_hold": {hold: rates[1] for hold, rates in by_hold.items()},
         "threshold": threshold,
         "voc": value_order_correlation(progress[along], samples.time[along], samples.episode[along]),
         "progress_spearman": spearman(progress[labelled], samples.progress[labelled]) if labelled.any() else None,
