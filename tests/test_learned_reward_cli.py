@@ -115,6 +115,24 @@ def test_train_reward_takes_expert_demos_for_training_only(reward_run, tmp_path,
             "was collected on task 'push_t', data= on 'reach'")
 
 
+def test_train_reward_after_success_first_run_trains_through_the_first_success_run_only(reward_run, tmp_path):
+    """Rollouts that run on past success (the untrained policy leaves the target and comes back):
+    first_run trains on fewer rows, still with success states, and scores the same held-out rows."""
+    checkpoint = reward_run[0]
+    assert main(["collect", *REACH, f"checkpoint={checkpoint}", "pixels=true", "image_size=16", "demos=8",
+                 "num_envs=8", "+task.success_terminates=false", f"run_dir={tmp_path / 'on'}"]) == 0
+    on = DemoDataset.load(tmp_path / "on" / "demos.zarr")
+    for after in ("keep", "first_run"):
+        assert main(["train-reward", *REACH, f"data={on.path}", f"after_success={after}", *SMALL_MODEL,
+                     f"run_dir={tmp_path / after}"]) == 0
+    keep, first_run = (json.loads((tmp_path / a / "reward_info.json").read_text()) for a in ("keep", "first_run"))
+    assert keep["after_success"] == "keep" and first_run["after_success"] == "first_run"
+    assert first_run["train"]["states"] < keep["train"]["states"]
+    assert first_run["train"]["success_states"] > 0
+    assert first_run["held_out_episodes"] == keep["held_out_episodes"]
+    assert first_run["held_out"]["states"] == keep["held_out"]["states"]  # scored on the episodes as they are
+
+
 @pytest.mark.parametrize("algo", sorted(FINETUNE))
 @pytest.mark.parametrize("kind", ["success", "success_progress"])
 def test_finetune_learns_from_the_learned_reward_and_logs_both_successes(reward_run, tmp_path, capsys, algo, kind):
@@ -175,6 +193,7 @@ def test_bad_reward_model_training_is_refused(reward_run, tmp_path, capsys):
     refused(tmp_path, capsys, [*train, "kind=vit"], "kind must be auto or one of cnn, cnn_film, got 'vit'")
     refused(tmp_path, capsys, [*train, "progress=oracle"], "progress must be auto or one of milestones, time, none")
     refused(tmp_path, capsys, [*train, "threshold=1.5"], "threshold must be in (0, 1), got 1.5")
+    refused(tmp_path, capsys, [*train, "after_success=drop"], "after_success must be one of keep, first_run, got 'drop'")
     refused(tmp_path, capsys, [*train, "use_state=maybe"], "bad value for 'use_state': expected auto, true or false")
     refused(tmp_path, capsys, ["train-reward", "task=push_t", f"data={data}"], "collected on task 'reach' but task=push_t")
     refused(tmp_path, capsys, [*train, "kind=cnn_film"], "cnn_film conditions on instructions")

@@ -38,7 +38,7 @@ def validate(cfg: DictConfig) -> None:
     from embodied_rl.commands import _integer, validate_common
     from embodied_rl.policies.text import check_text_encoder
     from embodied_rl.rewards import REWARD_MODELS
-    from embodied_rl.rewards.data import PROGRESS_LABELS
+    from embodied_rl.rewards.data import AFTER_SUCCESS, PROGRESS_LABELS
 
     if cfg.get("data") in (None, ""):
         raise UserError("data=PATH is required (a dataset from `embodied-rl collect pixels=true`)")
@@ -63,6 +63,8 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"kind must be auto or one of {', '.join(REWARD_MODELS)}, got '{cfg.kind}'")
     if cfg.progress != "auto" and cfg.progress not in PROGRESS_LABELS:
         raise UserError(f"progress must be auto or one of {', '.join(PROGRESS_LABELS)}, got '{cfg.progress}'")
+    if cfg.after_success not in AFTER_SUCCESS:
+        raise UserError(f"after_success must be one of {', '.join(AFTER_SUCCESS)}, got {cfg.after_success!r}")
     if not isinstance(cfg.use_state, bool) and cfg.use_state != "auto":
         raise UserError(f"use_state must be auto, true or false, got {cfg.use_state!r}")
     check_text_encoder(cfg.text_encoder)
@@ -75,7 +77,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     from embodied_rl.data import DemoDataset
     from embodied_rl.envs.registry import task_class
     from embodied_rl.rewards import make_reward_model, save_reward_model
-    from embodied_rl.rewards.data import concatenate_samples, reward_samples
+    from embodied_rl.rewards.data import concatenate_samples, reward_samples, through_first_success_run
     from embodied_rl.rewards.model import CHECKPOINT_DIR
     from embodied_rl.rewards.plots import plot_held_out
     from embodied_rl.rewards.train import (
@@ -120,6 +122,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
                             f"{demo_samples.frames.shape[2]} frames, data= {samples.frames.shape[1]}x"
                             f"{samples.frames.shape[2]}: collect both at one image_size")
         train = concatenate_samples([train, demo_samples])  # training only: the scores stay on data='s episodes
+    if cfg.after_success == "first_run":  # training only: the held-out scores see the episodes as they are
+        train = through_first_success_run(train)
     torch.manual_seed(int(cfg.seed))
     model = make_reward_model(
         kind, task=task_name, image_size=int(samples.frames.shape[1]), obs_dim=int(samples.state.shape[1]),
@@ -141,6 +145,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
                 "use_state": use_state,
                 "held_out": scores, "held_out_episodes": sorted(set(held_out.episode.tolist())),
                 "demos": None if cfg.demos is None else str(cfg.demos),
+                "after_success": str(cfg.after_success),
                 "train": {"states": len(train), "success_states": int(train.success.sum())},
                 "config": OmegaConf.to_container(cfg, resolve=True)}
         checkpoint = save_reward_model(model, run.file(CHECKPOINT_DIR),

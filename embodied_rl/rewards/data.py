@@ -28,6 +28,7 @@ import numpy as np
 from embodied_rl.errors import UserError
 
 PROGRESS_LABELS = ("milestones", "time", "none")
+AFTER_SUCCESS = ("keep", "first_run")
 
 
 @dataclass
@@ -90,6 +91,27 @@ def reward_samples(dataset, progress: str, effector_obs: tuple[int, ...] = (), g
     else:
         raise UserError(f"progress must be one of {', '.join(PROGRESS_LABELS)}, got {progress!r}")
     return RewardSamples(frames, state, dataset.instruction, success, labels.astype(np.float32), episode, time)
+
+
+def through_first_success_run(samples: RewardSamples) -> RewardSamples:
+    """`samples` without the rows of each successful episode that come after its first run of
+    success states has ended (train-reward's after_success=first_run).
+
+    Why: the learned success ends a learner's episode where it first fires, so what a policy
+    does after its first success is never judged in fine-tuning; a BC policy run on past success
+    is outside its demos and often undoes it in ways that look like success (tabletop's VLA
+    closes its fingers on the cube it has just placed: the cube is still on the pad, the
+    success gone). Those states taught the classifier to doubt real successes."""
+    keep = np.ones(len(samples), dtype=bool)
+    for episode in np.unique(samples.episode[samples.success]):
+        rows = np.flatnonzero(samples.episode == episode)
+        rows = rows[np.argsort(samples.time[rows], kind="stable")]
+        success = samples.success[rows]
+        first = int(np.argmax(success))
+        ended = np.flatnonzero(~success[first:])
+        if len(ended):
+            keep[rows[first + int(ended[0]):]] = False
+    return samples.subset(np.flatnonzero(keep))
 
 
 def concatenate_samples(parts: list[RewardSamples]) -> RewardSamples:

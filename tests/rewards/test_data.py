@@ -6,7 +6,14 @@ import pytest
 
 from embodied_rl.data.dataset import DemoDataset, write_demos
 from embodied_rl.errors import UserError
-from embodied_rl.rewards.data import milestone_progress, milestones, reward_samples, time_progress
+from embodied_rl.rewards.data import (
+    RewardSamples,
+    milestone_progress,
+    milestones,
+    reward_samples,
+    through_first_success_run,
+    time_progress,
+)
 
 
 def episode(length, success_at=None, size=4, obs_dim=3, seed=0):
@@ -92,3 +99,21 @@ def test_milestone_progress_climbs_segment_by_segment():
     failed = milestone_progress(8, [1, 4, 6], None, typical=2)
     assert failed.max() == pytest.approx(2 / 3) and failed[-1] == pytest.approx(2 / 3)
     assert failed[1] == pytest.approx(1 / 3)
+
+
+def test_after_success_first_run_drops_what_follows_the_first_run_of_success_states():
+    # episode 0 succeeds at t 2-3, fails again at 4-5 (the success undone) and succeeds again at 6;
+    # episode 1 fails; episode 2 succeeds to its end; the rows come unordered in time
+    success = {0: [0, 0, 1, 1, 0, 0, 1], 1: [0, 0, 0], 2: [0, 1, 1]}
+    episode = np.array([e for e, labels in success.items() for _ in labels])
+    time = np.array([t for labels in success.values() for t in range(len(labels))])
+    labels = np.array([bool(v) for values in success.values() for v in values])
+    order = np.random.default_rng(0).permutation(len(labels))
+    n = len(labels)
+    samples = RewardSamples(np.zeros((n, 2, 2, 3), np.uint8), np.arange(n, dtype=np.float32)[:, None], None,
+                            labels, np.zeros(n, np.float32), episode, time).subset(order)
+    kept = through_first_success_run(samples)
+    rows = sorted(zip(kept.episode.tolist(), kept.time.tolist()))
+    assert rows == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
+    # every kept row keeps its own labels and state
+    assert all(kept.success[i] == bool(success[e][t]) for i, (e, t) in enumerate(zip(kept.episode, kept.time)))
