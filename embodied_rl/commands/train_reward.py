@@ -77,7 +77,11 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     from embodied_rl.data import DemoDataset
     from embodied_rl.envs.registry import task_class
     from embodied_rl.rewards import make_reward_model, save_reward_model
-    from embodied_rl.rewards.data import concatenate_samples, reward_samples, through_first_success_run
+    from embodied_rl.rewards.data import (
+        concatenate_samples,
+        reward_samples,
+        through_first_success_run,
+    )
     from embodied_rl.rewards.model import CHECKPOINT_DIR
     from embodied_rl.rewards.plots import plot_held_out
     from embodied_rl.rewards.train import (
