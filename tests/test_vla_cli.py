@@ -201,3 +201,25 @@ def test_instruction_shuffle_refuses_a_policy_that_reads_no_instructions(tmp_pat
     err = capsys.readouterr().err
     assert "instruction_shuffle=true needs a checkpoint whose policy reads instructions" in err
     assert "Traceback" not in err and not (tmp_path / "bad").exists()
+
+
+def test_put_firing_measures_a_reward_model_against_the_cube_to_pad_distance(bc, tmp_path):
+    """benchmarks/put_firing.py: the VLA's put rollouts with the simulator's distance, a reward model's
+    firing per distance band; success never lies beyond the 2 cm the task allows."""
+    from tests.test_benchmarks import load_benchmark
+
+    # the expert's episodes (the tiny VLA never succeeds): success states and the states before them
+    assert main(["collect", "task=tabletop", "pixels=true", "image_size=32", "demos=4", "num_envs=4",
+                 "+task.success_terminates=false", f"run_dir={tmp_path / 'rollouts'}"]) == 0
+    assert main(["train-reward", "task=tabletop", f"data={tmp_path / 'rollouts' / 'demos.zarr'}", "text_encoder=hash", "channels=[8,8,8]",
+                 "feature_dim=8", "hidden_dim=16", "steps=5", "batch_size=8", f"run_dir={tmp_path / 'reward'}"]) == 0
+    result = load_benchmark("put_firing").main(["--checkpoint", str(bc), "--models", str(tmp_path / "reward"),
+                                                "--episodes", "3", "--num-envs", "4", "--hold", "2"])
+    model = result["models"][str(tmp_path / "reward")]
+    states = sum(band["states"] for band in model["bands"]) + model["held"]["states"]
+    assert states == 3 * 60  # three complete 60-step put episodes, every reached state counted once
+    for band in model["bands"]:
+        assert band["fires"] is None or 0 <= band["fires"] <= 1
+        if band["released_distance"][0] >= 0.02 and band["states"]:
+            assert band["true_success"] == 0.0
+    assert set(model["episodes_fired"]) == {"1", "2"}

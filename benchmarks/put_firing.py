@@ -1,0 +1,139 @@
+"""How finely does a reward model see a tabletop put? Its firing against the true cube-to-pad distance.
+
+A put succeeds when the named cube rests within 2 cm of its pad's centre (in x and y) and the gripper
+has let go. A learner paid by a learned success is paid wherever the model fires, so a model that
+cannot tell 1.5 cm from 2.5 cm pays near misses as successes. This script runs a checkpoint on the
+put instructions with success not ending the episodes (as `collect +task.success_terminates=false`
+records them), keeps the simulator's privileged cube-to-pad distance of every reached state, and
+reports for each reward model: the share of states at or above the threshold among the released
+states in bands of that distance and among the held ones, and per episode where it fires.
+
+    OMP_NUM_THREADS=1 MUJOCO_GL=egl python benchmarks/put_firing.py \\
+        --checkpoint runs/vla_table/pretrain/checkpoints/last --models RUN_A RUN_B --episodes 100
+
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+BANDS = (0.0, 0.02, 0.03, 0.05, float("inf"))  # cube-to-pad distance (m, the larger of x and y); success below 0.02
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def put_rollouts(checkpoint: str, episodes: int, num_envs: int, seed: int) -> dict[str, np.ndarray]:
+    """Reached states of complete put episodes: frames, state, instruction, success, distance, closure,
+    episode and time, one row per step."""
+    import torch
+
+    from embodied_rl.commands import load_checkpoint_agent
+    from embodied_rl.envs import make
+    from embodied_rl.envs.tasks.tabletop import RELEASED
+    from embodied_rl.eval.evaluate import seed_agent
+
+    _, policy, agent, _ = load_checkpoint_agent(checkpoint, num_envs, "cpu", "tabletop")
+    seed_agent(agent, seed + 1)
+    env = make("tabletop", num_envs=num_envs, seed=seed, task_options={"success_terminates": False},
+               **policy.env_options())
+    puts = [i for i, text in enumerate(env.instructions) if text.startswith("put")]
+    obs, _ = env.reset(seed=seed)
+    agent.reset(torch.ones(num_envs, dtype=torch.bool))
+    columns: dict[str, list] = {key: [] for key in ("frames", "state", "success", "distance", "closure", "episode",
+                                                     "time")}
+    instruction = obs["instruction"].cpu().numpy().copy()  # each env's current episode's
+    episode, time = np.arange(num_envs), np.zeros(num_envs, dtype=np.int64)
+    instruction_of, complete = {}, set()
+    next_episode = num_envs
+    while len([e for e in complete if instruction_of[e] in puts]) < episodes:
+        obs, _, _, _, info = env.step(agent.act(obs))
+        kind, cube, pad = env.task.targets(env.state)
+        done = info["_episode"].cpu().numpy()
+        final = info["final_obs"]
+        columns["frames"].append(np.where(done[:, None, None, None], final["pixels"].cpu().numpy(),
+                                          obs["pixels"].cpu().numpy()))
+        columns["state"].append(np.where(done[:, None], final["state"].cpu().numpy(), obs["state"].cpu().numpy()))
+        columns["success"].append(info["success"].cpu().numpy())
+        columns["distance"].append((cube[:, :2] - pad[:, :2]).abs().amax(dim=1).cpu().numpy())
+        columns["closure"].append(env.task.poses(env.state)["closure"].cpu().numpy())
+        columns["episode"].append(episode.copy())
+        columns["time"].append(time.copy())
+        for i in range(num_envs):
+            instruction_of[int(episode[i])] = int(instruction[i])
+        time += 1
+        for i in np.flatnonzero(done):
+            complete.add(int(episode[i]))
+            episode[i], time[i] = next_episode, 0
+            next_episode += 1
+        instruction = obs["instruction"].cpu().numpy().copy()  # a finished episode's env holds its next one
+        agent.reset(torch.as_tensor(done))
+    env.close()
+    rows = {key: np.concatenate(value) for key, value in columns.items()}
+    chosen = sorted(e for e in complete if instruction_of[e] in puts)[:episodes]
+    keep = np.isin(rows["episode"], chosen)
+    rows = {key: value[keep] for key, value in rows.items()}
+    rows["instruction"] = np.array([instruction_of[int(e)] for e in rows["episode"]], dtype=np.int64)
+    rows["released"] = rows["closure"] < RELEASED
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", required=True, help="a tabletop policy checkpoint (the BC whose rollouts)")
+    parser.add_argument("--models", nargs="+", required=True, help="train-reward run directories or reward_model/")
+    parser.add_argument("--episodes", type=int, default=100, help="complete put episodes")
+    parser.add_argument("--num-envs", type=int, default=32)
+    parser.add_argument("--threshold", type=float, default=0.95)
+    parser.add_argument("--hold", type=int, default=3, help="learned_reward.hold_steps for the per-episode rates")
+    parser.add_argument("--seed", type=int, default=77)
+    args = parser.parse_args(argv)
+
+    from embodied_rl.rewards import load_reward_model
+    from embodied_rl.rewards.data import RewardSamples
+    from embodied_rl.rewards.train import episode_firing, predict
+
+    rows = put_rollouts(args.checkpoint, args.episodes, args.num_envs, args.seed)
+    order = np.lexsort((rows["time"], rows["episode"]))  # an episode's rows in step order (episode_firing)
+    rows = {key: value[order] for key, value in rows.items()}
+    samples = RewardSamples(rows["frames"], rows["state"].astype(np.float32), rows["instruction"],
+                            rows["success"].astype(bool), np.full(len(order), np.nan, dtype=np.float32),
+                            rows["episode"], rows["time"])
+    successful = len(np.unique(samples.episode[samples.success]))
+    result = {"checkpoint": args.checkpoint, "episodes": args.episodes, "successful": successful,
+              "threshold": args.threshold, "hold_steps": args.hold, "models": {}}
+    print(f"{args.episodes} put episodes, {successful} successful", flush=True)
+    for path in args.models:
+        fired = predict(load_reward_model(path).eval(), samples)[0] >= args.threshold
+        bands = []
+        for low, high in zip(BANDS[:-1], BANDS[1:]):
+            states = rows["released"] & (rows["distance"] >= low) & (rows["distance"] < high)
+            bands.append({"released_distance": [low, high], "states": int(states.sum()),
+                          "fires": float(fired[states].mean()) if states.any() else None,
+                          "true_success": float(samples.success[states].mean()) if states.any() else None})
+        held = ~rows["released"]
+        by_hold = episode_firing(fired.astype(np.float32), samples, 0.5, (args.hold,))
+        model = {"bands": bands, "held": {"states": int(held.sum()), "fires": float(fired[held].mean())},
+                 "episodes_fired": {hold: {"successful": rates[0], "failed": rates[1]} for hold, rates in by_hold.items()}}
+        result["models"][path] = model
+        print(path, flush=True)
+        for band in bands:
+            low, high = band["released_distance"]
+            fires = "-" if band["fires"] is None else f"{band['fires']:.2f}"
+            where = f"{100 * low:.0f}-{100 * high:.0f} cm" if high < float("inf") else f">= {100 * low:.0f} cm"
+            print(f"  released, cube {where} from the pad: {band['states']} states, fires in {fires}", flush=True)
+        print(f"  held: {held.sum()} states, fires in {model['held']['fires']:.2f}", flush=True)
+        for hold, rates in model["episodes_fired"].items():
+            print(f"  hold {hold}: fires in {_rate(rates['successful'])} of the successful episodes, "
+                  f"{_rate(rates['failed'])} of the failed", flush=True)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
