@@ -47,13 +47,13 @@ def put_rollouts(checkpoint: str, episodes: int, num_envs: int, seed: int) -> di
     agent.reset(torch.ones(num_envs, dtype=torch.bool))
     columns: dict[str, list] = {key: [] for key in ("frames", "state", "success", "distance", "closure", "episode",
                                                      "time")}
-    instruction = obs["instruction"].cpu().numpy().copy()  # each env's current episode's
     episode, time = np.arange(num_envs), np.zeros(num_envs, dtype=np.int64)
-    instruction_of, complete = {}, set()
+    instruction_of = dict(enumerate(obs["instruction"].cpu().tolist()))  # episode -> its instruction
+    complete, complete_puts = set(), 0
     next_episode = num_envs
-    while len([e for e in complete if instruction_of[e] in puts]) < episodes:
+    while complete_puts < episodes:
         obs, _, _, _, info = env.step(agent.act(obs))
-        kind, cube, pad = env.task.targets(env.state)
+        _, cube, pad = env.task.targets(env.state)
         done = info["_episode"].cpu().numpy()
         final = info["final_obs"]
         columns["frames"].append(np.where(done[:, None, None, None], final["pixels"].cpu().numpy(),
@@ -64,14 +64,13 @@ def put_rollouts(checkpoint: str, episodes: int, num_envs: int, seed: int) -> di
         columns["closure"].append(env.task.poses(env.state)["closure"].cpu().numpy())
         columns["episode"].append(episode.copy())
         columns["time"].append(time.copy())
-        for i in range(num_envs):
-            instruction_of[int(episode[i])] = int(instruction[i])
         time += 1
-        for i in np.flatnonzero(done):
+        for i in np.flatnonzero(done):  # a finished episode's env already holds its next one
             complete.add(int(episode[i]))
+            complete_puts += instruction_of[int(episode[i])] in puts
             episode[i], time[i] = next_episode, 0
+            instruction_of[next_episode] = int(obs["instruction"][i])
             next_episode += 1
-        instruction = obs["instruction"].cpu().numpy().copy()  # a finished episode's env holds its next one
         agent.reset(torch.as_tensor(done))
     env.close()
     rows = {key: np.concatenate(value) for key, value in columns.items()}
@@ -124,9 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(path, flush=True)
         for band in bands:
             low, high = band["released_distance"]
-            fires = "-" if band["fires"] is None else f"{band['fires']:.2f}"
             where = f"{100 * low:.0f}-{100 * high:.0f} cm" if high < float("inf") else f">= {100 * low:.0f} cm"
-            print(f"  released, cube {where} from the pad: {band['states']} states, fires in {fires}", flush=True)
+            print(f"  released, cube {where} from the pad: {band['states']} states, fires in {_rate(band['fires'])}", flush=True)
         print(f"  held: {held.sum()} states, fires in {model['held']['fires']:.2f}", flush=True)
         for hold, rates in model["episodes_fired"].items():
             print(f"  hold {hold}: fires in {_rate(rates['successful'])} of the successful episodes, "
