@@ -489,6 +489,30 @@ def test_dsrl_ceiling_best_of_n_is_at_least_every_draw(tmp_path, capsys, monkeyp
     assert len(draws) == 3 and max(draws) <= average["best_of_n"]
 
 
+def test_residual_ceiling_runs_bc_at_scale_zero_and_the_expert_at_full_scale(tmp_path, capsys):
+    from embodied_rl import envs
+    from embodied_rl.envs.experts import make_expert
+    from embodied_rl.eval.evaluate import evaluate
+    from embodied_rl.policies import load_policy
+    from embodied_rl.policies.runner import PolicyRunner
+
+    bench = load_benchmark("residual_ceiling")
+    save_tiny_reach_flow(tmp_path / "bc")
+    result = bench.run(bench.parse_args(["--checkpoint", str(tmp_path / "bc"), "--task", "reach", "--episodes", "8",
+                                         "--num-envs", "4", "--scales", "0.3", "--max-episode-steps", "40"]))
+    policy = load_policy(tmp_path / "bc")
+    env = envs.make("reach", num_envs=4, seed=0, task_options={"max_episode_steps": 40}, **policy.env_options())
+    try:
+        alone = {name: evaluate(env, agent, episodes=8, seed=1000, progress=False)["overall"]["success_rate"]
+                 for name, agent in [("bc", PolicyRunner(policy, 4, seed=0)), ("expert", make_expert("reach", env))]}
+    finally:
+        env.close()
+    # the clamp changes nothing at either end: scale 0 is the BC policy, scale 2 the expert
+    assert result["average"]["0.0"] == alone["bc"] and result["average"]["2.0"] == alone["expert"]
+    assert alone["expert"] > alone["bc"]  # the untrained policy never reaches; the expert does
+    assert "expert" in capsys.readouterr().out
+
+
 def test_dsrl_learnability_labels_complete_episodes_with_their_discounted_success():
     bench = load_benchmark("dsrl_learnability")
     # one env: an episode of 2 chunks ending in success, then one of 1 chunk ending in failure, then
