@@ -151,6 +151,30 @@ def test_finetune_learns_from_the_learned_reward_and_logs_both_successes(reward_
     assert "Learned vs true success" in (run_dir / "report.md").read_text()
 
 
+def test_a_pixel_policy_collects_and_learns_beside_a_reward_model_that_reads_finer_frames(tmp_path, capsys):
+    """An 8x8 pixel policy: collect records 16x16 frames (the policy reads them pooled to 8x8), the
+    reward model trains on them, and finetune renders 16x16 for it while the policy sees 8x8."""
+    torch.manual_seed(0)
+    policy = make_policy("flow", obs_dim=8, action_dim=2, n_obs_steps=1, horizon=4, n_action_steps=2,
+                         num_inference_steps=2, obs_mode="pixels", image_shape=[8, 8], task="reach",
+                         backbone_kwargs={"hidden_dim": 16, "num_blocks": 1})
+    checkpoint = save_policy(policy, tmp_path / "bc")
+    collect = ["collect", *REACH, f"checkpoint={checkpoint}", "pixels=true", "demos=8", "num_envs=4"]
+    refused(tmp_path, capsys, [*collect, "image_size=12"], "reads 8x8 frames, so the recorded ones must be that size "
+            "or a multiple of it")
+    assert main([*collect, "image_size=16", f"run_dir={tmp_path / 'collect'}"]) == 0
+    data = DemoDataset.load(tmp_path / "collect" / "demos.zarr")
+    assert data.final_pixels.shape[1:] == (16, 16, 3)
+    assert main(["train-reward", *REACH, f"data={data.path}", *SMALL_MODEL, f"run_dir={tmp_path / 'reward'}"]) == 0
+    run_dir = tmp_path / "ft"
+    code = main(["finetune", *REACH, "algo=residual_offpolicy", f"checkpoint={checkpoint}",
+                 f"reward=model:{tmp_path / 'reward'}", "num_envs=4", "env_steps=120", "eval_every=0",
+                 "eval_episodes=4", "videos=0", "log_every=40", f"run_dir={run_dir}", *FINETUNE["residual_offpolicy"]])
+    assert code == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any("train/learned_success_rate" in row for row in rows)
+
+
 def test_bad_learned_rewards_are_refused(reward_run, tmp_path, capsys):
     checkpoint, _, reward_dir = reward_run
     finetune = ["finetune", *REACH, "algo=residual_offpolicy", f"checkpoint={checkpoint}"]

@@ -161,15 +161,31 @@ def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_
 def env_options(cfg: DictConfig, policy: Any | None) -> dict[str, Any]:
     """The envs.make keywords of what is recorded (frames at image_size with pixels=true) and,
     for a checkpoint, of what its policy reads: a state policy ignores the frames, a pixel
-    policy reads the recorded ones, so they must be its size."""
+    policy reads the recorded ones pooled to its size (PooledFramesAgent), so image_size must be
+    its size or a multiple of it (finer frames for a reward model, docs/rewards.md)."""
     options = {"obs_mode": "pixels" if cfg.pixels else "state", "image_size": int(cfg.image_size)}
     if policy is not None and policy.obs_mode == "pixels":
         size = policy.env_options()["image_size"]
-        if cfg.pixels and size != int(cfg.image_size):
-            raise UserError(f"checkpoint '{cfg.checkpoint}' reads {size}x{size} frames, so it records those: "
-                            f"image_size={size}")
-        options = {"obs_mode": "pixels", "image_size": size}
+        if cfg.pixels and int(cfg.image_size) % size:
+            raise UserError(f"checkpoint '{cfg.checkpoint}' reads {size}x{size} frames, so the recorded ones must be "
+                            f"that size or a multiple of it: image_size={size}, {2 * size}, ...")
+        options = {"obs_mode": "pixels", "image_size": int(cfg.image_size) if cfg.pixels else size}
     return options
+
+
+class PooledFramesAgent:
+    """A pixel policy's agent that reads the env's frames pooled to its own size."""
+
+    def __init__(self, agent: Any, image_size: int):
+        self.agent, self.image_size = agent, image_size
+
+    def reset(self, mask: torch.Tensor | None = None) -> None:
+        self.agent.reset(mask)
+
+    def act(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        from embodied_rl.envs.render import pool_frames
+
+        return self.agent.act({**obs, "pixels": pool_frames(obs["pixels"], self.image_size)})
 
 
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
@@ -193,6 +209,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     try:
         run = start_run(cfg, "collect")
         out = Path(cfg.out) if cfg.out is not None else run.file("demos.zarr")
+        if policy is not None and policy.obs_mode == "pixels":
+            agent = PooledFramesAgent(agent, policy.env_options()["image_size"])
         if agent is None:
             generator = torch.Generator().manual_seed(int(cfg.seed) + 1)
             agent = make_expert(cfg.task.name, env, quality=float(cfg.quality), generator=generator)

@@ -124,7 +124,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
                     device=cfg.device, seed=distributed.rank_seed(int(cfg.seed)), task_options=task_options,
                     **options)
     if learned is not None:
-        env = learned.wrap(env, keep_pixels=policy.obs_mode == "pixels")
+        env = learned.wrap(env, policy.env_options()["image_size"] if policy.obs_mode == "pixels" else None)
     if env.action_dim != policy.action_dim:
         raise UserError(f"checkpoint '{checkpoint}' acts in {policy.action_dim} dims, task {cfg.task.name} in {env.action_dim}")
     from embodied_rl.algos.common import find_checkpoint

@@ -3,7 +3,7 @@
     learned = LearnedReward.from_cfg(cfg, policy)        # None for reward=sim
     env = envs.make(..., **learned.env_options(...))     # frames at the model's size; the task's
                                                          # own success ends no episode
-    env = learned.wrap(env, keep_pixels=...)             # a LearnedRewardEnv
+    env = learned.wrap(env, policy_image_size)           # a LearnedRewardEnv
 
 A LearnedRewardEnv is a BatchedEnv like any other, so every fine-tuning method trains on it
 unchanged. At every step it shows the reward model the frame of the state each env reached and
@@ -34,10 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import gymnasium
+import numpy as np
 import torch
 from torch import Tensor
 
 from embodied_rl.envs.api import BatchedEnv
+from embodied_rl.envs.render import pool_frames
 from embodied_rl.errors import UserError
 
 KINDS = ("success", "success_progress")
@@ -98,10 +100,11 @@ class LearnedReward:
             raise UserError(f"reward model '{path}' was trained on task '{model.task}', not {cfg.task.name}")
         if model.instructions and model.instructions != list(task.instructions):
             raise UserError(f"reward model '{path}' was trained on other instructions than task {cfg.task.name}'s")
-        if policy.obs_mode == "pixels" and policy.env_options()["image_size"] != model.image_size:
+        if policy.obs_mode == "pixels" and model.image_size % policy.env_options()["image_size"]:
             size = policy.env_options()["image_size"]
             raise UserError(f"reward model '{path}' reads {model.image_size}x{model.image_size} frames, the policy "
-                            f"{size}x{size}: train the reward model on frames of the policy's size")
+                            f"{size}x{size}: train the reward model on frames of the policy's size or a multiple of it "
+                            "(collect image_size=)")
         if kind == "success_progress" and model.config["progress_labels"] == "none":
             raise UserError(f"reward model '{path}' was trained without progress labels (progress=none); "
                             "learned_reward.kind=success_progress needs them")
@@ -113,26 +116,29 @@ class LearnedReward:
         return ({**policy_options, "obs_mode": "pixels", "image_size": self.model.image_size},
                 {**task_options, "success_terminates": False})
 
-    def wrap(self, env: BatchedEnv, keep_pixels: bool) -> LearnedRewardEnv:
-        return LearnedRewardEnv(env, self, keep_pixels)
+    def wrap(self, env: BatchedEnv, policy_image_size: int | None) -> LearnedRewardEnv:
+        return LearnedRewardEnv(env, self, policy_image_size)
 
 
 class LearnedRewardEnv(BatchedEnv):
     """The env the learner trains in with reward=model:PATH (the module docstring). `env` renders
-    pixels at the model's size; `keep_pixels` False hides them from a policy that reads none."""
+    pixels at the model's size; the policy sees them pooled to `policy_image_size`
+    (envs.render.pool_frames), or not at all where it reads none (None)."""
 
     STATE_KEYS = ("progress_paid", "learned_return", "learned_success_once", "steps_above")
 
-    def __init__(self, env: BatchedEnv, learned: LearnedReward, keep_pixels: bool):
-        self.env, self.learned, self.keep_pixels = env, learned, keep_pixels
+    def __init__(self, env: BatchedEnv, learned: LearnedReward, policy_image_size: int | None):
+        self.env, self.learned, self.policy_image_size = env, learned, policy_image_size
         self.num_envs, self.device, self.max_episode_steps = env.num_envs, env.device, env.max_episode_steps
         # the task as the learner sees it: success (the learned one) ends its episodes, so demo
         # transitions that end in success are terminal as online ones are
         self.task = copy.copy(env.task)
         self.task.success_terminates = True
         spaces = dict(env.single_observation_space.spaces)
-        if not keep_pixels:
+        if policy_image_size is None:
             spaces.pop("pixels")
+        else:
+            spaces["pixels"] = gymnasium.spaces.Box(0, 255, (policy_image_size, policy_image_size, 3), np.uint8)
         self.single_observation_space = gymnasium.spaces.Dict(spaces) if len(spaces) > 1 else spaces["state"]
         self.single_action_space = env.single_action_space
         self.progress_paid = torch.zeros(self.num_envs, device=self.device)  # this episode's progress reward
@@ -149,10 +155,11 @@ class LearnedRewardEnv(BatchedEnv):
         return self.env.unstable_resets
 
     def _policy_obs(self, obs: dict[str, Tensor]) -> Any:
-        """What the policy reads: without the frames unless it reads them (a state policy on a
-        task without instructions gets the plain state tensor, as from an env without pixels)."""
-        if self.keep_pixels:
-            return obs
+        """What the policy reads: the frames at its size, or none where it reads none (a state
+        policy on a task without instructions gets the plain state tensor, as from an env without
+        pixels)."""
+        if self.policy_image_size is not None:
+            return {**obs, "pixels": pool_frames(obs["pixels"], self.policy_image_size)}
         obs = {key: value for key, value in obs.items() if key != "pixels"}
         return obs if len(obs) > 1 else obs["state"]
 

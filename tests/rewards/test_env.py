@@ -25,12 +25,12 @@ class ScriptedJudge:
         return RewardOutput(self.success_prob.clone(), self.progress.clone())
 
 
-def learned_env(kind="success", keep_pixels=False, success_radius=0.02, gain=0.2, cap=0.25, num_envs=3):
+def learned_env(kind="success", policy_image_size=None, success_radius=0.02, gain=0.2, cap=0.25, num_envs=3):
     judge = ScriptedJudge(num_envs)
     learned = LearnedReward(Path("stub"), judge, kind, threshold=0.95, progress_gain=gain, progress_cap=cap)
     options, task_options = learned.env_options({"obs_mode": "state"}, {"success_radius": success_radius})
     env = envs.make("reach", num_envs=num_envs, seed=0, task_options=task_options, **options)
-    return learned.wrap(env, keep_pixels), judge
+    return learned.wrap(env, policy_image_size), judge
 
 
 def test_the_learned_success_is_the_reward_and_ends_the_episode():
@@ -71,7 +71,7 @@ def test_progress_pays_gain_times_progress_up_to_the_cap_per_episode():
 
 
 def test_a_pixel_policy_keeps_the_frames_and_a_snapshot_restores_the_sums():
-    env, judge = learned_env("success_progress", keep_pixels=True)
+    env, judge = learned_env("success_progress", policy_image_size=16)
     obs, _ = env.reset(seed=0)
     assert set(obs) == {"state", "pixels"} and obs["pixels"].shape == (3, 16, 16, 3)
     judge.progress = torch.full((3,), 0.4)
@@ -82,6 +82,30 @@ def test_a_pixel_policy_keeps_the_frames_and_a_snapshot_restores_the_sums():
     again = [env.step(torch.full((3, 2), 0.1))[1] for _ in range(2)]
     for a, b in zip(after, again):
         torch.testing.assert_close(a, b)
+
+
+def test_a_policy_reading_coarser_frames_sees_the_models_frames_pooled_to_its_size():
+    from embodied_rl.envs.render import pool_frames
+
+    env, judge = learned_env(policy_image_size=8)  # the model reads 16x16, the policy 8x8
+    obs, _ = env.reset(seed=0)
+    assert obs["pixels"].shape == (3, 8, 8, 3) and env.single_observation_space["pixels"].shape == (8, 8, 3)
+    judge.success_prob = torch.tensor([0.99, 0.0, 0.0])
+    _, _, _, _, info = env.step(torch.zeros(3, 2))
+    assert judge.seen.shape == (3, 16, 16, 3)  # the model judged its own size
+    torch.testing.assert_close(info["final_obs"]["pixels"], pool_frames(judge.seen, 8))
+
+
+def test_pool_frames_averages_each_block_and_refuses_a_size_that_does_not_divide():
+    from embodied_rl.envs.render import pool_frames
+
+    frames = torch.arange(2 * 4 * 4 * 3, dtype=torch.uint8).reshape(2, 4, 4, 3)
+    pooled = pool_frames(frames, 2)
+    assert pooled.shape == (2, 2, 2, 3) and pooled.dtype == torch.uint8
+    assert pooled[0, 0, 0, 0] == round((0 + 3 + 12 + 15) / 4)  # pixels (0,0) (0,1) (1,0) (1,1), channel 0
+    assert pool_frames(frames, 4) is frames
+    with pytest.raises(ValueError, match="cannot pool 4x4 frames to 3x3"):
+        pool_frames(frames, 3)
 
 
 def test_reward_hacking_is_flagged_where_the_learned_success_outruns_the_simulators(capsys):
@@ -127,7 +151,7 @@ def test_with_hold_steps_the_learned_success_needs_that_many_consecutive_frames(
     learned = LearnedReward(Path("stub"), judge, "success", threshold=0.95, progress_gain=0.0, progress_cap=0.0,
                             hold_steps=3)
     options, task_options = learned.env_options({"obs_mode": "state"}, {})
-    env = learned.wrap(envs.make("reach", num_envs=2, seed=0, task_options=task_options, **options), False)
+    env = learned.wrap(envs.make("reach", num_envs=2, seed=0, task_options=task_options, **options), None)
     env.reset(seed=0)
     fired = []
     for above in ([1, 1], [1, 0], [1, 1], [0, 1]):  # env 0 holds for 3 steps; env 1 never does
