@@ -6,7 +6,10 @@ cannot tell 1.5 cm from 2.5 cm pays near misses as successes. This script runs a
 put instructions with success not ending the episodes (as `collect +task.success_terminates=false`
 records them), keeps the simulator's privileged cube-to-pad distance of every reached state, and
 reports for each reward model: the share of states at or above the threshold among the released
-states in bands of that distance and among the held ones, and per episode where it fires.
+states in bands of that distance and among the held ones, how well its success probability ranks
+the successes among the cubes released within 3 cm (ROC-AUC), and per episode where it fires. The
+frames are rendered at the largest model's size; the policy, and each smaller model, reads them
+mean-pooled to its own size (a model whose size does not divide it is refused by the pooling).
 
     OMP_NUM_THREADS=1 MUJOCO_GL=egl python benchmarks/put_firing.py \\
         --checkpoint runs/vla_table/pretrain/checkpoints/last --models RUN_A RUN_B --episodes 100
@@ -22,26 +25,29 @@ import json
 import numpy as np
 
 BANDS = (0.0, 0.02, 0.03, 0.05, float("inf"))  # cube-to-pad distance (m, the larger of x and y); success below 0.02
+NEAR = 0.03  # the separation that matters: a put from a near miss among the cubes released within this distance
 
 
 def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def put_rollouts(checkpoint: str, episodes: int, num_envs: int, seed: int) -> dict[str, np.ndarray]:
-    """Reached states of complete put episodes: frames, state, instruction, success, distance, closure,
-    episode and time, one row per step."""
+def put_rollouts(checkpoint: str, episodes: int, num_envs: int, seed: int, image_size: int) -> dict[str, np.ndarray]:
+    """Reached states of complete put episodes: frames (at image_size, which the policy reads pooled
+    to its own), state, instruction, success, distance, closure, episode and time, one row per step."""
     import torch
 
     from embodied_rl.commands import load_checkpoint_agent
+    from embodied_rl.commands.collect import PooledFramesAgent
     from embodied_rl.envs import make
     from embodied_rl.envs.tasks.tabletop import RELEASED
     from embodied_rl.eval.evaluate import seed_agent
 
     _, policy, agent, _ = load_checkpoint_agent(checkpoint, num_envs, "cpu", "tabletop")
     seed_agent(agent, seed + 1)
+    agent = PooledFramesAgent(agent, policy.env_options()["image_size"])
     env = make("tabletop", num_envs=num_envs, seed=seed, task_options={"success_terminates": False},
-               **policy.env_options())
+               **{**policy.env_options(), "image_size": image_size})
     puts = [i for i, text in enumerate(env.instructions) if text.startswith("put")]
     obs, _ = env.reset(seed=seed)
     agent.reset(torch.ones(num_envs, dtype=torch.bool))
@@ -93,22 +99,35 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=77)
     args = parser.parse_args(argv)
 
+    import torch
+
+    from embodied_rl.envs.render import pool_frames
     from embodied_rl.rewards import load_reward_model
     from embodied_rl.rewards.data import RewardSamples
+    from embodied_rl.rewards.metrics import roc_auc
     from embodied_rl.rewards.train import episode_firing, predict
 
-    rows = put_rollouts(args.checkpoint, args.episodes, args.num_envs, args.seed)
+    models = {path: load_reward_model(path).eval() for path in args.models}
+    image_size = max(model.image_size for model in models.values())  # the others' sizes must divide it
+    rows = put_rollouts(args.checkpoint, args.episodes, args.num_envs, args.seed, image_size)
     order = np.lexsort((rows["time"], rows["episode"]))  # an episode's rows in step order (episode_firing)
     rows = {key: value[order] for key, value in rows.items()}
-    samples = RewardSamples(rows["frames"], rows["state"].astype(np.float32), rows["instruction"],
-                            rows["success"].astype(bool), np.full(len(order), np.nan, dtype=np.float32),
-                            rows["episode"], rows["time"])
+
+    def samples_at(size: int) -> RewardSamples:
+        frames = pool_frames(torch.from_numpy(rows["frames"]), size).numpy()
+        return RewardSamples(frames, rows["state"].astype(np.float32), rows["instruction"],
+                             rows["success"].astype(bool), np.full(len(order), np.nan, dtype=np.float32),
+                             rows["episode"], rows["time"])
+
+    samples = samples_at(image_size)
     successful = len(np.unique(samples.episode[samples.success]))
     result = {"checkpoint": args.checkpoint, "episodes": args.episodes, "successful": successful,
               "threshold": args.threshold, "hold_steps": args.hold, "models": {}}
     print(f"{args.episodes} put episodes, {successful} successful", flush=True)
-    for path in args.models:
-        fired = predict(load_reward_model(path).eval(), samples)[0] >= args.threshold
+    for path, reward_model in models.items():
+        success_prob = predict(reward_model, samples_at(reward_model.image_size))[0]
+        fired = success_prob >= args.threshold
+        near = rows["released"] & (rows["distance"] < NEAR)  # successes and the near misses beside them
         bands = []
         for low, high in zip(BANDS[:-1], BANDS[1:]):
             states = rows["released"] & (rows["distance"] >= low) & (rows["distance"] < high)
@@ -118,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
         held = ~rows["released"]
         by_hold = episode_firing(fired.astype(np.float32), samples, 0.5, (args.hold,))
         model = {"bands": bands, "held": {"states": int(held.sum()), "fires": float(fired[held].mean())},
+                 "near_roc_auc": roc_auc(success_prob[near], samples.success[near]),
                  "episodes_fired": {hold: {"successful": rates[0], "failed": rates[1]} for hold, rates in by_hold.items()}}
         result["models"][path] = model
         print(path, flush=True)
@@ -126,6 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
             where = f"{100 * low:.0f}-{100 * high:.0f} cm" if high < float("inf") else f">= {100 * low:.0f} cm"
             print(f"  released, cube {where} from the pad: {band['states']} states, fires in {_rate(band['fires'])}", flush=True)
         print(f"  held: {held.sum()} states, fires in {model['held']['fires']:.2f}", flush=True)
+        print(f"  success vs not among released cubes within {100 * NEAR:.0f} cm: ROC-AUC "
+              f"{_rate(model['near_roc_auc'])}", flush=True)
         for hold, rates in model["episodes_fired"].items():
             print(f"  hold {hold}: fires in {_rate(rates['successful'])} of the successful episodes, "
                   f"{_rate(rates['failed'])} of the failed", flush=True)

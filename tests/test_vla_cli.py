@@ -211,15 +211,26 @@ def test_put_firing_measures_a_reward_model_against_the_cube_to_pad_distance(bc,
     # the expert's episodes (the tiny VLA never succeeds): success states and the states before them
     assert main(["collect", "task=tabletop", "pixels=true", "image_size=32", "demos=4", "num_envs=4",
                  "+task.success_terminates=false", f"run_dir={tmp_path / 'rollouts'}"]) == 0
-    assert main(["train-reward", "task=tabletop", f"data={tmp_path / 'rollouts' / 'demos.zarr'}", "text_encoder=hash", "channels=[8,8,8]",
-                 "feature_dim=8", "hidden_dim=16", "steps=5", "batch_size=8", f"run_dir={tmp_path / 'reward'}"]) == 0
+    # and a model at twice the policy's 32x32: the frames are rendered at 64 and pooled for the others
+    assert main(["collect", "task=tabletop", "pixels=true", "image_size=64", "demos=2", "num_envs=2",
+                 "+task.success_terminates=false", f"run_dir={tmp_path / 'rollouts64'}"]) == 0
+    train = ["train-reward", "task=tabletop", "text_encoder=hash", "channels=[8,8,8]", "feature_dim=8", "hidden_dim=16",
+             "steps=5", "batch_size=8"]
+    assert main([*train, f"data={tmp_path / 'rollouts' / 'demos.zarr'}", f"run_dir={tmp_path / 'reward'}"]) == 0
+    assert main([*train, f"data={tmp_path / 'rollouts64' / 'demos.zarr'}", f"run_dir={tmp_path / 'reward64'}"]) == 0
     result = load_benchmark("put_firing").main(["--checkpoint", str(bc), "--models", str(tmp_path / "reward"),
-                                                "--episodes", "3", "--num-envs", "4", "--hold", "2"])
-    model = result["models"][str(tmp_path / "reward")]
-    states = sum(band["states"] for band in model["bands"]) + model["held"]["states"]
-    assert states == 3 * 60  # three complete 60-step put episodes, every reached state counted once
-    for band in model["bands"]:
-        assert band["fires"] is None or 0 <= band["fires"] <= 1
-        if band["released_distance"][0] >= 0.02 and band["states"]:
-            assert band["true_success"] == 0.0
-    assert set(model["episodes_fired"]) == {"1", "2"}
+                                                str(tmp_path / "reward64"), "--episodes", "3", "--num-envs", "4",
+                                                "--hold", "2"])
+    counted = []
+    for name in ("reward", "reward64"):
+        model = result["models"][str(tmp_path / name)]
+        counted.append(sum(band["states"] for band in model["bands"]) + model["held"]["states"])
+        for band in model["bands"]:
+            assert band["fires"] is None or 0 <= band["fires"] <= 1
+            if band["released_distance"][0] >= 0.02 and band["states"]:
+                assert band["true_success"] == 0.0
+        assert set(model["episodes_fired"]) == {"1", "2"}
+        assert model["near_roc_auc"] is None or 0 <= model["near_roc_auc"] <= 1
+    # both judged the same reached states: three complete put episodes of at most 60 steps (one that
+    # lifts a cube it was not asked for fails and ends there), each state counted once
+    assert counted[0] == counted[1] and 3 * 30 < counted[0] <= 3 * 60
