@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from embodied_rl.envs.render import pool_frames
 from embodied_rl.errors import UserError
 from embodied_rl.runs import progress, start_run
 
@@ -183,8 +184,6 @@ class PooledFramesAgent:
         self.agent.reset(mask)
 
     def act(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
-        from embodied_rl.envs.render import pool_frames
-
         return self.agent.act({**obs, "pixels": pool_frames(obs["pixels"], self.image_size)})
 
 
