@@ -80,6 +80,35 @@ def test_seeds_partial_and_grouped_resets():
     env.close()
 
 
+def test_grouped_resets_keep_the_pools_and_draw_each_groups_next_state():
+    # GRPO resets in groups every iteration; remaking the pools each time leaked memory (MT50).
+    env = envs.make("metaworld/reach", num_envs=4, seed=3)
+    first, _ = env.reset(group_size=2)
+    pools = list(env._pools)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        env.step(torch.rand(4, 4, generator=generator) * 2 - 1)
+    env.reset(env_ids=torch.tensor([0, 0, 3]).unique())  # envs 0 and 3 ended early: they are a draw ahead
+    env.step(torch.rand(4, 4, generator=generator) * 2 - 1)
+    second, _ = env.reset(group_size=2)
+    assert all(a is b for a, b in zip(env._pools, pools))  # no remake
+    state = second["state"]
+    assert torch.equal(state[0], state[1]) and torch.equal(state[2], state[3])
+    assert not torch.equal(state[:, -3:], first["state"][:, -3:])  # each group's next draw
+    # the same state a fresh pool seeded with the group's seed gives at that draw (its third: 0 and 3 drew twice)
+    seed = int(env.generator.initial_seed())
+    groups = torch.randint(0, 2**31 - 1, (2,), generator=torch.Generator().manual_seed(seed)).tolist()
+    pool = direct_pool("MetaWorld/Reach-v3", [groups[0]], partially_observable=False)
+    for _ in range(3):
+        expected, _ = pool.reset()
+    torch.testing.assert_close(state[0], torch.from_numpy(expected[0]).float())
+    pool.close()
+    reseeded, _ = env.reset(group_size=2, seed=5)  # a seed still remakes them
+    assert not any(a is b for a, b in zip(env._pools, pools))
+    assert torch.equal(reseeded["state"][0], reseeded["state"][1])
+    env.close()
+
+
 def test_metaworld_expert_success_ends_the_episode():
     env = envs.make("metaworld/reach", num_envs=2, seed=0)
     expert = envs.make_expert("metaworld/reach", env)

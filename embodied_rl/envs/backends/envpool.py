@@ -15,10 +15,15 @@ What EnvPool does differently from the contract, and how this module bridges it:
   Here a finished env is reset explicitly in the same step, so `step` returns the first
   observation of its next episode, with the true last one in `info["final_obs"]`.
 - Seeds: EnvPool seeds each env once, when the pool is made (`env_seed`), and each env then
-  draws its episodes from its own stream. `reset(seed=s)` therefore remakes the pools with env i
-  seeded s + i, and a grouped reset (`group_size=G`) remakes them with one seed per group, so a
-  group starts from the same state. Remaking costs ~30 ms per env (MuJoCo model compilation).
-  A partial reset (`env_ids`) continues each env's own stream and takes no seed.
+  draws its episodes from its own stream: its k-th reset gives the same state whatever the env
+  did in between. `reset(seed=s)` therefore remakes the pools with env i seeded s + i. A grouped
+  reset (`group_size=G`) makes them once with one seed per group of G envs; later grouped resets
+  keep the pools and reset each group's envs until all stand at the same next draw of their
+  shared stream (an env that ended early and auto-reset mid-rollout is ahead; the others catch
+  up), so the group starts from one state. Remaking costs ~30 ms per env (MuJoCo model
+  compilation) and does not give all memory back: MT50's 400 envs held 6.3 GB and grew 0.3-1.2
+  GB per remake, so GRPO remaking every iteration ran out of memory. A partial reset (`env_ids`)
+  continues each env's own stream and takes no seed.
 - Success: `info["success"]` is the env's own success key (Meta-World: `success`;
   gymnasium-robotics: `is_success`); False for an env without one (gym MuJoCo).
 - No snapshots: EnvPool exposes no simulator state, so `get_state`/`set_state` raise and a
@@ -114,6 +119,8 @@ class EnvPoolEnv(BatchedEnv):
         self._seed = int(seed)
         self._pools: list[Any] = []
         self._fresh = False  # pools made and reset, not stepped since
+        self._seed_group_size = 1  # the pools were made with one seed per group of this many envs
+        self._draws = np.zeros(self.num_envs, dtype=np.int64)  # resets each env took since its pool was made
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self._num_threads = min(num_threads or cores, self.per_pool)
         self._config: dict[str, Any] = dict(env_kwargs or {})
@@ -165,11 +172,14 @@ class EnvPoolEnv(BatchedEnv):
         except (TypeError, ValueError, KeyError) as error:
             raise UserError(f"EnvPool could not make {env_id!r} with {self._config}: {error}") from None
 
-    def _remake(self, env_seeds: list[int]) -> None:
-        """Close the pools and make new ones, env i seeded env_seeds[i]; reset every env."""
+    def _remake(self, env_seeds: list[int], group_size: int = 1) -> None:
+        """Close the pools and make new ones, env i seeded env_seeds[i] (one seed per group of
+        `group_size` consecutive envs); reset every env."""
         self.close()
         self._pools = [self._make_pool(env_id, env_seeds[k * self.per_pool:(k + 1) * self.per_pool])
                        for k, env_id in enumerate(self.env_ids)]
+        self._seed_group_size = group_size
+        self._draws[:] = 0
         self._reset_rows(np.arange(self.num_envs))
         self._fresh = True
 
@@ -193,6 +203,17 @@ class EnvPoolEnv(BatchedEnv):
         for k in pools:
             obs, info = self._pools[k].recv(reset=True, return_info=True)
             self._obs[self._rows(k, info["env_id"])] = self._flat(obs)
+        self._draws[rows] += 1
+
+    def _align_groups(self, group_size: int) -> None:
+        """Reset every env until each group's envs stand at the same next draw of their stream."""
+        target = self._draws.reshape(-1, group_size).max(axis=1) + 1
+        owed = np.repeat(target, group_size) - self._draws
+        while owed.any():
+            rows = np.flatnonzero(owed > 0)
+            self._reset_rows(rows)
+            owed[rows] -= 1
+        self._fresh = True
 
     # ---------------------------------------------------------------- reset / step
 
@@ -202,7 +223,8 @@ class EnvPoolEnv(BatchedEnv):
 
         With a seed (all envs only), env i starts a new stream seeded seed + i. `group_size=G`
         (all envs only) gives each group of G consecutive envs one seed, drawn from this env's
-        generator, so the group starts from the same state.
+        generator, so the group starts from the same state; a later grouped reset without a seed
+        takes each group's next state from that same stream (the module docstring says how).
         """
         if group_size is not None and group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -216,10 +238,13 @@ class EnvPoolEnv(BatchedEnv):
                 raise UserError(f"group_size={group_size} must divide the envs per task: {self.num_envs} envs over "
                                 f"{len(self.env_ids)} tasks give {self.per_pool} each (choose num_envs a multiple of "
                                 f"{len(self.env_ids) * group_size})")
-            if seed is not None:
-                self.generator.manual_seed(int(seed))
-            groups = torch.randint(0, 2**31 - 1, (self.num_envs // group_size,), generator=self.generator)
-            self._remake(groups.repeat_interleave(group_size).tolist())
+            if seed is None and self._pools and self._seed_group_size == group_size:
+                self._align_groups(group_size)
+            else:
+                if seed is not None:
+                    self.generator.manual_seed(int(seed))
+                groups = torch.randint(0, 2**31 - 1, (self.num_envs // group_size,), generator=self.generator)
+                self._remake(groups.repeat_interleave(group_size).tolist(), group_size)
             ids = np.arange(self.num_envs)
         elif everything:
             if seed is not None or not self._pools:
