@@ -106,6 +106,12 @@ def test_bad_input_is_one_line(checkpoints, tmp_path, capsys):
     assert main(["finetune", "task=reach", "algo=grpo", "num_envs=3", f"checkpoint={checkpoints / 'flow'}",
                  f"run_dir={tmp_path / 'g'}"]) == 2
     assert "group_size" in capsys.readouterr().err
+    # a preset's actor_kwargs belong to its actor: switching the actor alone keeps Flow-Noise's max_std
+    assert main(["finetune", "task=reach", "algo=grpo", "algo.actor=flow_sde", f"checkpoint={checkpoints / 'flow'}",
+                 f"run_dir={tmp_path / 'a'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "actor 'flow_sde' takes no 'max_std', 'noise_hidden' in algo.actor_kwargs" in err and "\n" not in err, err
+    assert not (tmp_path / "a").exists()
     scale = ["task=reach", f"checkpoint={checkpoints / 'flow'}", f"run_dir={tmp_path / 's'}"]
     assert main(["finetune", *scale, "algo.actor_kwargs.action_scale=[0.1,0.1,0.1]"]) == 2  # reach: 2 dims
     assert "one per action dim" in capsys.readouterr().err

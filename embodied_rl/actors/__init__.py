@@ -5,6 +5,7 @@ The checkpoint format: actors/checkpoint.py."""
 from __future__ import annotations
 
 import importlib
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,20 @@ def _resolve(target: str):
     return getattr(importlib.import_module(module), name)
 
 
-def make_actor(kind: str, policy, num_envs: int, **kwargs: Any) -> Actor:
+def check_actor_kwargs(kind: str, kwargs: dict[str, Any]) -> None:
+    """One line for an unknown actor or an argument its constructor does not take (a preset's
+    actor_kwargs belong to the preset's actor: `algo=grpo algo.actor=flow_sde` keeps Flow-Noise's)."""
     if kind not in ACTORS:
         raise UserError(f"unknown actor '{kind}' (choose from: {', '.join(ACTORS)})")
+    takes = [name for name in inspect.signature(_resolve(ACTORS[kind])).parameters if name not in ("policy", "num_envs")]
+    unknown = sorted(set(kwargs) - set(takes))
+    if unknown:
+        raise UserError(f"actor '{kind}' takes no {', '.join(repr(k) for k in unknown)} in algo.actor_kwargs (it takes "
+                        f"{', '.join(takes)}); to replace the preset's: '~algo.actor_kwargs' '+algo.actor_kwargs={{...}}'")
+
+
+def make_actor(kind: str, policy, num_envs: int, **kwargs: Any) -> Actor:
+    check_actor_kwargs(kind, kwargs)
     return _resolve(ACTORS[kind])(policy, num_envs=num_envs, **kwargs)
 
 
