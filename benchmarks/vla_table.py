@@ -221,6 +221,22 @@ def evaluate_checkpoint(checkpoint: Path, eval_dir: Path, args) -> dict:
 
 
 # ---------------------------------------------------------------------------- stage 4: fine-tuning
+def finetune_envs(algo: str, chosen: list[str], num_envs: int, suite_task: str) -> list[str]:
+    """The num_envs override of one method's run. A `--set [ALGO:]num_envs=N` stands. GRPO needs
+    every task's envs to hold whole groups (EnvPool suites: one pool per task), so it gets the
+    suite's count rounded up to tasks x group_size (MT50, 8 per group: 100 -> 400)."""
+    if any(entry.startswith("num_envs=") for entry in chosen):
+        return []
+    if algo != "grpo":
+        return [f"num_envs={num_envs}"]
+    from embodied_rl.envs import make_task
+
+    group = next((int(e.split("=", 1)[1]) for e in chosen if e.startswith("algo.group_size=")), 8)  # grpo.yaml's
+    tasks = len(getattr(make_task(suite_task), "envpool_ids", None) or [None])
+    whole = tasks * group
+    return [f"num_envs={max(whole, -(-num_envs // whole) * whole)}"]
+
+
 def finetune(algo: str, checkpoint: Path, root: Path, target: float, args) -> dict:
     """Stage 4: `embodied-rl finetune` from the BC checkpoint (a finished run is reused, an
     unfinished one resumes and its evaluations are redone); the curve's first evaluation at
@@ -228,10 +244,11 @@ def finetune(algo: str, checkpoint: Path, root: Path, target: float, args) -> di
     run_dir = root / algo / "finetune"
     if not _finished(run_dir, args.env_steps):
         shutil.rmtree(root / algo / "eval", ignore_errors=True)  # evaluations of an unfinished run: stale
+        chosen = overrides_for(algo, args.set)
         _cli(["finetune", *task_args(args.suite), f"algo={algo}", f"checkpoint={checkpoint}", f"seed={args.seed}",
-              f"env_steps={args.env_steps}", f"num_envs={args.num_envs}", f"eval_every={args.eval_every}",
-              f"eval_episodes={args.curve_episodes}", "videos=0", f"run_dir={run_dir}",
-              *overrides_for(algo, args.set)])
+              f"env_steps={args.env_steps}", *finetune_envs(algo, chosen, args.num_envs, args.suite.task),
+              f"eval_every={args.eval_every}", f"eval_episodes={args.curve_episodes}", "videos=0", f"run_dir={run_dir}",
+              *chosen])
     metrics = _metrics(run_dir)
     curve = [r for r in metrics if "eval/success_rate" in r]
     reached = next((r for r in curve if r["eval/success_rate"] >= target), None)

@@ -408,6 +408,12 @@ def test_vla_table_mt50_is_the_few_shot_protocol_with_issue_targets():
     targets = bench.check_targets({"bc": bc, "residual_offpolicy": rl}, {"residual_offpolicy": run}, goals)
     assert targets["bc_seen"] and targets["residual_offpolicy"]["reached_within_limit"]
     assert targets["residual_offpolicy"]["below_bc"] == ["b"]  # 6 points below BC; 4 are tolerated
+    # GRPO's groups of 8 must not straddle two tasks' pools: 100 envs become 400 (8 per task); a --set stands
+    assert bench.finetune_envs("grpo", [], args.num_envs, args.suite.task) == ["num_envs=400"]
+    assert bench.finetune_envs("grpo", ["algo.group_size=4"], args.num_envs, args.suite.task) == ["num_envs=200"]
+    assert bench.finetune_envs("grpo", ["num_envs=800"], args.num_envs, args.suite.task) == []
+    assert bench.finetune_envs("reinflow", [], args.num_envs, args.suite.task) == [f"num_envs={args.num_envs}"]
+    assert bench.finetune_envs("grpo", [], 64, "tabletop") == ["num_envs=64"]
 
 
 def test_vla_table_libero_spatial_is_few_shot_with_issue_targets():
