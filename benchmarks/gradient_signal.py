@@ -17,6 +17,10 @@ not learn").
         --agent runs/vla_mt50/reinflow/finetune/checkpoints/last --algo reinflow \
         --task metaworld/MT50 --max-episode-steps 100 --num-envs 100 --batches 8 --num-steps 32
 
+With `--algo grpo` a batch is one GRPO rollout (one episode per env from fresh group states) and
+its samples' advantages are their groups' (uninformative groups give 0); the shuffled baseline
+permutes the episodes' advantages among the informative episodes.
+
 With --line-search-episodes E it also evaluates the deterministic policy on the same E episodes
 after a step of size eta along the batches' mean gradient, along its negative and along the mean
 shuffled-advantage gradient (eta in units of an Adam step at lr 2e-5 over every weight,
@@ -70,7 +74,7 @@ def agreement(grads: list[torch.Tensor]) -> dict[str, float]:
     spread = math.sqrt(sum((c - mean) ** 2 for c in cosines) / max(1, len(cosines) - 1) / len(cosines))
     dots = sum(float(grads[i] @ grads[j]) for i, j in pairs) / len(pairs)
     squared = sum(float(g @ g) for g in grads) / len(grads)
-    return {"cosine_mean": mean, "cosine_se": spread, "signal_share": dots / squared}
+    return {"cosine_mean": mean, "cosine_se": spread, "signal_share": dots / squared if squared else float("nan")}
 
 
 class _Counter:
@@ -90,7 +94,7 @@ def run(args) -> dict:
     from embodied_rl.actors.base import ActorAgent, HistoryEnv
     from embodied_rl.actors.checkpoint import load_agent_tensors
     from embodied_rl.algos.common import reward_settings
-    from embodied_rl.algos.ppo import PPOConfig, collect_ppo, make_ppo_actor
+    from embodied_rl.algos.ppo import PPOConfig, collect_grpo, collect_ppo, make_ppo_actor
     from embodied_rl.commands.finetune import load_base_policy
     from embodied_rl.config import compose
     from embodied_rl.errors import UserError
@@ -103,8 +107,9 @@ def run(args) -> dict:
                  *([f"task.max_episode_steps={args.max_episode_steps}"] if args.max_episode_steps else []), *args.set]
     cfg = compose("finetune", overrides)
     algo = PPOConfig.from_cfg(cfg.algo)
-    if algo.group_size > 1:
-        raise UserError("gradient_signal measures the critic-based PPO family; GRPO's groups are another estimator")
+    grpo = algo.group_size > 1
+    if grpo and args.num_envs % algo.group_size:
+        raise UserError(f"--num-envs {args.num_envs} must be a multiple of algo.group_size={algo.group_size}")
     policy = load_base_policy(Path(args.checkpoint), "cpu")
 
     def make_env(seed: int):
@@ -127,23 +132,40 @@ def run(args) -> dict:
         loss = -(advantage[:, None] * logprob).mean()
         return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
 
+    def grpo_advantages(batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """GRPO's advantage per sample (0 on masked steps and uninformative groups) and the same with
+        the episodes' advantages shuffled among the informative episodes (a sample keeps its mask)."""
+        episode = batch["advantage"].abs().amax(0) > 0  # [N] envs whose episode carries an advantage
+        per_env = (batch["advantage"].sum(0) / batch["valid"].sum(0).clamp(min=1))  # the episode's advantage
+        rows = torch.nonzero(episode).flatten()
+        shuffled_env = per_env.clone()
+        shuffled_env[rows] = per_env[rows[torch.randperm(len(rows))]]
+        return batch["advantage"].flatten(), (shuffled_env[None] * batch["valid"]).flatten()
+
     env = make_env(args.seed)
     henv = HistoryEnv(env, ObsHistory(actor.n_obs_steps))
     obs, _ = henv.reset(seed=args.seed)
     actor.reset(torch.ones(args.num_envs, dtype=torch.bool))
     counter = _Counter()
     grads, shuffled, samples = [], [], 0
+    max_mdp_steps = math.ceil(env.max_episode_steps / (actor.n_action_steps if actor.chunked else 1)) + 1  # as ppo.finetune
     for index in range(args.batches):
         start = time.perf_counter()
-        batch, obs = collect_ppo(env, henv, actor, obs, args.num_steps, counter, rewards.sparse, None,
-                                 rewards.bootstrap_truncation)
-        advantage, _ = core.gae(batch["reward"], batch["value"], batch["next_value"], batch["terminated"],
-                                batch["truncated"], algo.gamma, algo.gae_lambda)
-        advantage = advantage.flatten()
-        advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)
+        if grpo:  # one episode per env from fresh group states; the episodes' returns are its samples' advantages
+            batch, stats = collect_grpo(env, henv, actor, algo.group_size, max_mdp_steps, rewards.sparse)
+            counter.successes += stats["successes"]
+            advantage, shuffled_advantage = grpo_advantages(batch)
+        else:
+            batch, obs = collect_ppo(env, henv, actor, obs, args.num_steps, counter, rewards.sparse, None,
+                                     rewards.bootstrap_truncation)
+            advantage, _ = core.gae(batch["reward"], batch["value"], batch["next_value"], batch["terminated"],
+                                    batch["truncated"], algo.gamma, algo.gae_lambda)
+            advantage = advantage.flatten()
+            advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)
+            shuffled_advantage = advantage[torch.randperm(len(advantage))]
         grads.append(gradient(batch, advantage))
-        shuffled.append(gradient(batch, advantage[torch.randperm(len(advantage))]))
-        samples = len(advantage)
+        shuffled.append(gradient(batch, shuffled_advantage))
+        samples = int((advantage != 0).sum())
         print(f"batch {index}: {samples} samples, |g| {grads[-1].norm():.3e}, |g shuffled| {shuffled[-1].norm():.3e}, "
               f"{time.perf_counter() - start:.0f} s", flush=True)
     env.close()

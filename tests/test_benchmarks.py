@@ -597,6 +597,23 @@ def test_gradient_signal_measures_a_reinflow_actor_and_its_line_search(tmp_path,
         bench.parse_args(["--checkpoint", str(checkpoint), "--task", "reach", "--batches", "1"])
 
 
+def test_gradient_signal_measures_grpo_with_episode_level_shuffles(tmp_path, monkeypatch):
+    from embodied_rl.envs.tasks.reach import ReachTask
+
+    monkeypatch.setattr(ReachTask, "success_radius", 0.08)  # the untrained policy's groups end both ways
+    bench = load_benchmark("gradient_signal")
+    checkpoint = _tiny_flow_checkpoint(tmp_path)
+    args = bench.parse_args(["--checkpoint", str(checkpoint), "--task", "reach", "--algo", "grpo", "--num-envs", "8",
+                             "--batches", "2", "--set", "algo.group_size=4", "--max-episode-steps", "12"])
+    result = bench.run(args)
+    assert 0 < result["rollout_success"] < 1
+    assert result["samples_per_batch"] > 0  # the informative groups' valid steps
+    assert -1 <= result["real"]["cosine_mean"] <= 1 and -1 <= result["shuffled"]["cosine_mean"] <= 1
+    monkeypatch.setattr(sys, "argv", ["gradient_signal.py", "--checkpoint", str(checkpoint), "--task", "reach",
+                                      "--algo", "grpo", "--num-envs", "6"])
+    assert bench.main() == 2  # groups of 8 do not fit 6 envs: one line, exit 2
+
+
 def _tiny_flow_checkpoint(tmp_path):
     from embodied_rl.policies import make_policy, save_policy
 
