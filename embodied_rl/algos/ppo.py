@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from embodied_rl import core, distributed
-from embodied_rl.actors import check_actor_kwargs, make_actor
+from embodied_rl.actors import make_actor
 from embodied_rl.actors.base import ActorAgent, HistoryEnv, ObsHistory
 from embodied_rl.algos.common import (
     AlgoConfig,
@@ -158,7 +158,6 @@ class PPOConfig(AlgoConfig):
 def validate_config(cfg: Any) -> None:
     """Called by `embodied-rl finetune` before any work."""
     config = PPOConfig.from_cfg(cfg.algo)
-    check_actor_kwargs(config.actor, dict(config.actor_kwargs))
     reward_settings(cfg)
     if config.group_size > 1 and int(cfg.num_envs) % config.group_size:
         raise UserError(f"num_envs={cfg.num_envs} must be a multiple of algo.group_size={config.group_size}")

@@ -62,10 +62,11 @@ def validate(cfg: DictConfig) -> Path:
     check_actor_trains(cfg)
     actor = OmegaConf.select(cfg, "algo.actor")
     if isinstance(actor, str):  # the PPO family names its actor
-        from embodied_rl.actors import ACTORS
+        from embodied_rl.actors import ACTORS, check_actor_kwargs
 
         if actor not in ACTORS:
             raise UserError(f"unknown algo.actor '{actor}' (choose from: {', '.join(ACTORS)})")
+        check_actor_kwargs(actor, dict(OmegaConf.select(cfg, "algo.actor_kwargs") or {}))
     if not 0 <= int(cfg.videos) <= int(cfg.eval_episodes):
         raise UserError(f"videos must be in [0, eval_episodes={cfg.eval_episodes}], got {cfg.videos}")
     return resolve_checkpoint(Path(str(cfg.checkpoint)).expanduser())
