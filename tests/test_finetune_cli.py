@@ -58,6 +58,10 @@ def test_every_on_policy_algorithm_runs_end_to_end(algo, policy, extra, checkpoi
     rows = metrics(run_dir)
     train = [r for r in rows if "train/iteration" in r]
     assert train and all(r["train/first_minibatch_ratio_dev"] < 1e-5 for r in train if "train/first_minibatch_ratio_dev" in r)
+    updates = [r for r in train if "train/policy_loss" in r]  # the actor's gradient noise scale, per update
+    assert all(float(r["train/gradient_noise_trace"]) >= 0 and float(r["train/gradient_noise_scale"]) >= 0
+               for r in updates)  # "inf" while no signal is resolved
+    assert updates or algo in ("residual_ppo", "grpo")  # their 200 steps are the critic warm-up / one group
     if algo != "grpo":  # the critic's fit is logged (reach's success reward varies within 200 steps)
         fits = [r["train/explained_variance"] for r in train if "train/explained_variance" in r]
         assert fits and all(fit <= 1 for fit in fits)

@@ -57,6 +57,7 @@ from embodied_rl.algos.common import (
     reward_settings,
     training_reward,
 )
+from embodied_rl.algos.gradient_noise import GradientNoiseScale
 from embodied_rl.algos.wsrl import CRITIC, FIRST_REACH, FULL, EarnedReach, visible_success
 from embodied_rl.envs.api import step_chunk
 from embodied_rl.errors import UserError
@@ -341,12 +342,16 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         actor.load_runtime_state(saved["actor"])
         if shaping is not None:
             shaping.load_state(saved["shaping"])
+    # the batch size at which an update's direction is half signal, from each update's first epoch
+    gradient_noise = GradientNoiseScale()
+    if saved is not None and "gradient_noise" in saved:
+        gradient_noise.load_state_dict(saved["gradient_noise"])
     if saved is not None:
         replay = saved.get("replay_rollouts", [])  # a checkpoint written before ReMix existed has none
 
     def loop_state() -> dict[str, Any]:
         state = {"env": env_snapshot(env), "obs": obs, "history": history.buffer, "actor": actor.runtime_state(),
-                 "replay_rollouts": replay}
+                 "replay_rollouts": replay, "gradient_noise": gradient_noise.state_dict()}
         if shaping is not None:
             state["shaping"] = shaping.state()
         if earned is not None:
@@ -424,7 +429,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         metrics: dict[str, list[float]] = {}
         first_ratio_dev = None
         stop = False
-        for _epoch in range(algo.update_epochs):
+        for epoch in range(algo.update_epochs):
             order = torch.randperm(batch_size, device=device)
             for begin in range(0, batch_size, minibatch_size):
                 mb = order[begin:begin + minibatch_size]
@@ -475,6 +480,8 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 distributed.average_gradients(actor.parameters())
+                if epoch == 0 and not critic_only:
+                    gradient_noise.add(actor.actor_parameters(), int(distributed.all_sum(mb_valid.sum())))
                 grad_norm = torch.nn.utils.clip_grad_norm_(actor.parameters(), algo.max_grad_norm)
                 for key, value in losses.items():
                     metrics.setdefault(key, []).append(float(value.detach()))
@@ -492,6 +499,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         # ---- log, evaluate, checkpoint ----
         iteration_s = time.perf_counter() - iteration_start
         log = {f"train/{k}": sum(v) / len(v) for k, v in metrics.items()}
+        log.update(gradient_noise.end_update())
         log.update({"train/iteration": loop.counters["iteration"], "train/rollout_s": rollout_s,
                     "train/lr": optimizer.param_groups[0]["lr"], "train/base_reg_coef": base_reg,
                     "train/iteration_s": iteration_s, "train/sps": env_steps / iteration_s,
