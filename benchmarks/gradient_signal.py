@@ -9,7 +9,10 @@ sample's score and the advantages' spread but cuts the link between action and o
 pairwise agreement is what pure noise gives. When the real advantages agree no better than the
 shuffled ones, an update's direction is noise at that batch size and a larger learning rate only
 walks the policy away from where it started (docs/finetuning.md, "When an on-policy method does
-not learn").
+not learn"). The share s of a batch of B samples gives the gradient noise scale B (1 - s) / s: the
+batch size at which a gradient is half signal. Training runs log a cheaper in-run estimate of it
+(train/gradient_noise_scale, from one batch's minibatches), which counts the noise an episode's
+samples share as signal and so reads lower.
 
     # a fine-tuned run's checkpoint (trained critic) or the BC checkpoint (--agent none: an
     # untrained critic, so the advantages carry the returns' full spread)
@@ -176,8 +179,12 @@ def run(args) -> dict:
     print(f"  pairwise cosine, real advantages:     {real['cosine_mean']:+.4f} +- {real['cosine_se']:.4f} "
           f"(signal share {real['signal_share']:+.4f})")
     print(f"  pairwise cosine, shuffled advantages: {noise['cosine_mean']:+.4f} +- {noise['cosine_se']:.4f}")
+    # McCandlish et al.'s B_noise: a batch of B samples holds the share B / (B + B_noise) of signal
+    share = real["signal_share"]
+    noise_scale = samples * (1 - share) / share if share > 0 else math.inf
+    print(f"  gradient noise scale: {noise_scale:.3g} samples (a batch this large is half signal)")
     result = {"algo": args.algo, "task": args.task, "batches": args.batches, "samples_per_batch": samples,
-              "rollout_success": rollout_success, "real": real, "shuffled": noise}
+              "rollout_success": rollout_success, "real": real, "shuffled": noise, "noise_scale": noise_scale}
 
     if args.line_search_episodes:
         unit = 2e-5 * math.sqrt(sum(p.numel() for p in params))

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -588,6 +589,8 @@ def test_gradient_signal_measures_a_reinflow_actor_and_its_line_search(tmp_path,
     assert result["samples_per_batch"] == 8 and result["batches"] == 3
     for side in ("real", "shuffled"):
         assert -1 <= result[side]["cosine_mean"] <= 1
+    share = result["real"]["signal_share"]  # B_noise = B (1 - s) / s; no resolved signal: infinite
+    assert result["noise_scale"] == (pytest.approx(8 * (1 - share) / share) if share > 0 else math.inf)
     success = result["line_search"]["success"]
     assert set(success) == {"start"} | {f"{d} {s * eta:+g}" for d in ("signal", "noise") for s in (1, -1)
                                         for eta in bench.LINE_SEARCH_STEPS}
