@@ -16,7 +16,9 @@ more epochs on the same batch, walks the policy along the noise (docs/finetuning
 on-policy method does not learn"). Each update's estimates are noisy (|G|^2's can be negative);
 the ratio of their exponential averages is readable over tens of updates. The minibatches of one
 epoch are taken at slightly different weights (each follows an optimiser step); at the small steps
-where the diagnosis matters that difference is negligible.
+where the diagnosis matters that difference is negligible. The rows of one rollout are not
+independent (an episode's rows share its outcome), so a batch's shared noise counts as signal here:
+the value is a lower bound (benchmarks/gradient_signal.py compares independent batches).
 
     noise = GradientNoiseScale()
     for each minibatch of the update's first epoch, after backward():
