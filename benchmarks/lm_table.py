@@ -192,13 +192,14 @@ def run_trl(args: argparse.Namespace, task_name: str, sft: Path, run_dir: Path) 
 
     from embodied_rl.config import compose
     from embodied_rl.lm.model import load_model, recorded_task, save_model
+    from embodied_rl.lm.rl import rl_problem_stream
     from embodied_rl.lm.tasks import make_task
 
     task_cfg = compose("finetune", [f"task={task_name}", *task_overrides(args)]).task
     task = make_task(task_cfg)
     max_new_tokens = int(task_cfg.max_new_tokens)
     # our finetune draws `prompts` problems per iteration from this stream, in this order
-    stream = task.stream("train", args.seed)
+    stream = rl_problem_stream(task, args.seed)
     problems = [next(stream) for _ in range(args.steps * args.prompts)]
     model, tokenizer = load_model(sft)
     dataset = Dataset.from_dict({"prompt": [trl_prompt_text(tokenizer, p.prompt) for p in problems],

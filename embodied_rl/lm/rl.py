@@ -322,6 +322,13 @@ def refuse_algo_keys(cfg: DictConfig) -> None:
             raise UserError(f"algo.{key} does not apply to language tasks; set lm.rl.* instead")
 
 
+def rl_problem_stream(task: Any, seed: int):
+    """The training problems RL draws, in order: a stream of its own, so that an SFT run with the
+    same seed (`lm.sft_problems` takes the first problems of the untagged stream) does not hand RL
+    its memorised set first (every group all correct: no advantage)."""
+    return task.stream("train", seed, tag="rl")
+
+
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     config = validate(cfg)
     from embodied_rl.algos.common import FinetuneLoop
@@ -380,7 +387,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         generator.set_state(saved["generator"])
         window = saved["window"]
         history = [{**batch, "samples": Samples(**batch["samples"])} for batch in saved.get("history", [])]
-    stream = task.stream("train", seed)
+    stream = rl_problem_stream(task, seed)
     for _ in range(loop.counters["problems_drawn"]):  # the problems earlier iterations drew
         next(stream)
 

@@ -95,11 +95,13 @@ class LMTask:
     def split(self, problem: Problem) -> str:
         return split_of(f"{self.name}:{problem.key}", self.test_percent)
 
-    def stream(self, split: str, seed: int):
-        """An endless deterministic stream of problems of `split` (repeats possible)."""
+    def stream(self, split: str, seed: int, tag: str = ""):
+        """An endless deterministic stream of problems of `split` (repeats possible). Streams with
+        different tags are independent: RL's problems (tag "rl") are not the SFT set drawn with the
+        same seed, replayed in its order."""
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        rng = random.Random(f"{self.name}/{split}/{seed}")
+        rng = random.Random(f"{self.name}/{split}/{seed}" + (f"/{tag}" if tag else ""))
         while True:
             problem = self.sample(rng)
             if self.split(problem) == split:

@@ -101,3 +101,17 @@ def test_addition_trains_on_the_problem_mix_it_is_evaluated_on():
     draws = list(itertools.islice(task.stream("train", 0), 4000))
     assert abs(two_digit_share(draws) - two_digit_share(task.problems("test", 500))) < 0.05
     assert two_digit_share(draws) == pytest.approx(0.81, abs=0.03)  # 90 of 100 operands have two digits
+
+
+def test_rl_does_not_start_on_the_sft_set_of_its_seed():
+    """`pretrain lm.sft_problems=500 seed=S` memorises the first 500 problems of the seed's stream;
+    RL with the same seed draws its own stream, so it meets those problems only by chance (~6%)."""
+    import itertools
+
+    from embodied_rl.lm.rl import rl_problem_stream
+
+    task = AdditionTask(digits=2)
+    sft_set = {p.key for p in task.problems("train", 500, seed=1)}
+    rl_first = [p.key for p in itertools.islice(rl_problem_stream(task, 1), 500)]
+    assert sum(key in sft_set for key in rl_first) < 0.15 * len(rl_first)
+    assert rl_first == [p.key for p in itertools.islice(rl_problem_stream(task, 1), 500)]  # deterministic
