@@ -670,6 +670,7 @@ class FinetuneLoop:
         self.evaluator: Evaluator | None = None
         self.best: dict[str, Any] | None = None  # the record of checkpoints/best (rank 0)
         self.bar = None
+        self.evaluates_ends = self.eval_every > 0  # evaluate at step 0 and at the end (start() may add a reason)
 
     @property
     def step(self) -> int:
@@ -748,11 +749,14 @@ class FinetuneLoop:
         self.next_checkpoint = _next_multiple(self.step, self.checkpoint_every)
         return loop_state
 
-    def start(self, desc: str) -> None:
-        """Evaluate the starting model at step 0 (fresh runs) and show the progress bar (rank 0). A
+    def start(self, desc: str, evaluate_start: bool = False) -> None:
+        """Evaluate the starting model at step 0 (fresh runs; with `evaluate_start` even when
+        eval_every is 0: a rule of the run needs it) and show the progress bar (rank 0). A
         resumed run whose checkpoint was evaluated before the stop weighs that evaluation for
-        checkpoints/best (a kill may have come between the two writes)."""
-        if self.resumed_from is None and self.evaluator.every > 0 and distributed.is_main():
+        checkpoints/best (a kill may have come between the two writes). A run evaluated at its start
+        is evaluated at its end too (finish)."""
+        self.evaluates_ends = self.evaluator.every > 0 or evaluate_start
+        if self.resumed_from is None and self.evaluates_ends and distributed.is_main():
             self.evaluate(0, force=True)
         elif self.evaluator.last_step == self.step and (self.best or {}).get("step") != self.step:
             # the checkpoint's evaluation ran before the stop, which may have come before its best was written
@@ -920,7 +924,7 @@ class FinetuneLoop:
             self.save(loop_state)
         evaluator = self.evaluator
         info = evaluator.last_info
-        if evaluator.every > 0 and evaluator.last_step != self.step and distributed.is_main():
+        if self.evaluates_ends and evaluator.last_step != self.step and distributed.is_main():
             info = self.evaluate(self.step, force=True)
         evaluator.close()
         self.run.log(self.step, {"train/wall_s": evaluator.clock()["wall_s"]})

@@ -110,6 +110,7 @@ class PPOConfig(AlgoConfig):
     base_reg_coef: float
     base_reg_decay_steps: int | None  # the regulariser's weight falls linearly to 0 over these env steps; None = constant
     base_reg_window: int | None  # the anchor lets go only as training success earns it, judged every this many episodes
+    base_reg_earned_above: float | None  # ... where the first evaluation's success is at least this; None = always
     target_kl: float | None
     critic_warmup_iters: int
     norm_adv: bool
@@ -144,6 +145,8 @@ class PPOConfig(AlgoConfig):
             ("base_reg_window", self.base_reg_window is None or self.base_reg_window >= 1, ">= 1 episodes or null"),
             ("base_reg_window", self.base_reg_window is None or (self.base_reg_coef > 0 and not grpo),
              "null unless algo.base_reg_coef > 0 and PPO (it releases that regulariser by training success)"),
+            ("base_reg_earned_above", self.base_reg_earned_above is None or 0.0 <= self.base_reg_earned_above <= 1.0,
+             "in [0, 1] or null"),
             ("target_kl", self.target_kl is None or self.target_kl > 0, "> 0 or null"),
             ("critic_warmup_iters", self.critic_warmup_iters >= 0, ">= 0"),
             ("max_grad_norm", self.max_grad_norm > 0, "> 0"),
@@ -356,9 +359,24 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
             state["shaping"] = shaping.state()
         if earned is not None:
             state["earned_anchor"], state["episode_regime"] = earned.state_dict(), episode_regime
+            state["anchor_earned"] = anchor_earned
         return state
 
-    loop.start(f"finetune {algo.name}")
+    loop.start(f"finetune {algo.name}", evaluate_start=earned is not None and algo.base_reg_earned_above is not None)
+    # the earned anchor holds where the base policy's own first evaluation reaches base_reg_earned_above:
+    # there RL has little to add and its noise much to take (docs/finetuning.md, "Do no harm")
+    if earned is not None and saved is not None:
+        anchor_earned = bool(saved.get("anchor_earned", True))
+    elif earned is not None and algo.base_reg_earned_above is not None:
+        start_info = loop.evaluator.last_info if distributed.is_main() else None
+        start_success = distributed.broadcast_object(start_info["overall"].get("success_rate") if start_info else None)
+        anchor_earned = start_success is not None and start_success >= algo.base_reg_earned_above
+        if distributed.is_main():
+            print(f"[finetune] the first evaluation's success is {start_success}: the anchor's release is "
+                  + ("earned by training success" if anchor_earned else
+                     f"the schedule's (below algo.base_reg_earned_above={algo.base_reg_earned_above})"), flush=True)
+    else:
+        anchor_earned = earned is not None
     while loop.counters["iteration"] < iterations:
         iteration_start = time.perf_counter()
         steps_before = loop.env_steps
@@ -410,7 +428,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         base_reg = algo.base_reg_coef  # a decaying anchor holds the first updates near the base, then lets go
         if algo.base_reg_decay_steps is not None:
             base_reg *= max(0.0, 1.0 - steps_before / algo.base_reg_decay_steps)
-        if earned is not None:
+        if anchor_earned:
             base_reg = max(base_reg, algo.base_reg_coef * (1.0 - earned.cap))
         if algo.anneal_lr:  # linear decay to 0 at the last iteration (CleanRL's anneal_lr); resumes exactly
             remaining = 1.0 - loop.counters["iteration"] / iterations
@@ -507,8 +525,8 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
                     "train/replayed_rows": float(batch_size - fresh)})
         if first_ratio_dev is not None:
             log["train/first_minibatch_ratio_dev"] = first_ratio_dev
-        if earned is not None:
-            log["train/anchor_release"] = earned.cap
+        if earned is not None:  # the release, and whether it is the anchor's (1) or only tracked (0)
+            log["train/anchor_release"], log["train/anchor_earned"] = earned.cap, float(anchor_earned)
         if grpo:
             log["train/informative_groups"] = stats["informative_groups"]
         elif value_fit is not None:

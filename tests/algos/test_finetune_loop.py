@@ -88,7 +88,9 @@ def test_divergence_stops_with_exit_3_and_one_line(checkpoints, tmp_path, capsys
     err = capsys.readouterr().err
     assert code == 3, err
     assert "diverged at env step 32: train/loss is not finite" in err and len(err.strip().splitlines()) == 1
-    assert not (run_dir / "checkpoints").exists()  # nothing non-finite was written
+    # nothing non-finite was written: no checkpoint past step 0 (the first evaluation's best is the untouched start)
+    assert not (run_dir / "checkpoints" / "last").exists()
+    assert json.loads((run_dir / "checkpoints" / "best" / "best.json").read_text())["step"] == 0
     assert read_metrics(run_dir)[-1]["train/value_loss"] == math.inf  # recorded as such
 
 
@@ -288,7 +290,7 @@ def test_a_decaying_anchor_falls_linearly_to_zero(checkpoints, tmp_path):  # noq
     of the decay left at the rollout's start (32 env steps per iteration here), then 0."""
     assert main(["finetune", f"checkpoint={checkpoints / 'flow'}", "env_steps=128", "eval_every=0",
                  f"run_dir={tmp_path}", *TINY, *RESIDUAL, "algo.base_reg_coef=0.5", "algo.base_reg_decay_steps=64",
-                 "algo.critic_warmup_iters=0"]) == 0
+                 "algo.critic_warmup_iters=0", "algo.base_reg_window=null"]) == 0
     rows = [row for row in read_metrics(tmp_path) if "train/base_reg_coef" in row]
     assert [row["train/base_reg_coef"] for row in rows] == [0.5, 0.25, 0.0, 0.0]
     assert rows[1]["train/base_kl"] > 0  # the residual actor's KL to its base (a zero residual), while it weighs
@@ -301,7 +303,7 @@ def test_an_earned_anchor_keeps_its_weight_until_training_success_releases_it(ch
     starting at 0.05 and moved by windows of training episodes against the critic warm-up's."""
     assert main(["finetune", f"checkpoint={checkpoints / 'flow'}", "env_steps=320", "eval_every=0",
                  f"run_dir={tmp_path}", *TINY, *RESIDUAL, "algo.base_reg_coef=0.5", "algo.base_reg_decay_steps=64",
-                 "algo.critic_warmup_iters=1", "algo.base_reg_window=1"]) == 0
+                 "algo.critic_warmup_iters=1", "algo.base_reg_window=1", "algo.base_reg_earned_above=null"]) == 0
     rows = [row for row in read_metrics(tmp_path) if "train/base_reg_coef" in row]
     schedule = [0.5 * max(0.0, 1 - 32 * i / 64) for i in range(len(rows))]
     releases = [row["train/anchor_release"] for row in rows]
@@ -309,6 +311,29 @@ def test_an_earned_anchor_keeps_its_weight_until_training_success_releases_it(ch
     assert [row["train/base_reg_coef"] for row in rows] == pytest.approx(
         [max(s, 0.5 * (1 - r)) for s, r in zip(schedule, releases)])
     assert rows[-1]["train/base_reg_coef"] > 0  # past the schedule the anchor still holds what is not earned
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("earned_above", [0.0, 1.0])
+def test_the_anchor_is_earned_only_where_the_first_evaluation_reaches_the_threshold(checkpoints, tmp_path,  # noqa: F811
+                                                                                     earned_above):
+    """base_reg_earned_above: the earned release holds the anchor only where the step-0 evaluation
+    succeeds at least that often (the untrained tiny policy's success is below 1, at least 0); else
+    the weight is the schedule's alone. The rule evaluates step 0 (and so the end) even at eval_every=0."""
+    assert main(["finetune", f"checkpoint={checkpoints / 'flow'}", "env_steps=256", "eval_every=0",
+                 f"run_dir={tmp_path}", *TINY, *RESIDUAL, "algo.base_reg_coef=0.5", "algo.base_reg_decay_steps=64",
+                 "algo.critic_warmup_iters=1", "algo.base_reg_window=1",
+                 f"algo.base_reg_earned_above={earned_above}"]) == 0
+    metrics = read_metrics(tmp_path)
+    evaluated = [row["step"] for row in metrics if "eval/success_rate" in row]
+    assert evaluated[0] == 0 and evaluated[-1] == 256 and metrics[0]["eval/success_rate"] < 1
+    rows = [row for row in metrics if "train/base_reg_coef" in row]
+    schedule = [0.5 * max(0.0, 1 - 32 * i / 64) for i in range(len(rows))]
+    earned = earned_above == 0.0
+    assert {row["train/anchor_earned"] for row in rows} == {float(earned)}
+    assert [row["train/base_reg_coef"] for row in rows] == pytest.approx(
+        [max(s, 0.5 * (1 - row["train/anchor_release"])) if earned else s for s, row in zip(schedule, rows)])
+    assert (rows[-1]["train/base_reg_coef"] > 0) == earned
 
 
 def test_an_earned_anchor_needs_ppo_and_the_regulariser(checkpoints, tmp_path, capsys):  # noqa: F811
