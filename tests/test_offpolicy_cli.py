@@ -77,6 +77,27 @@ def test_resume_continues_the_run(tmp_path, bc_checkpoint, algo):
     assert sum(1 for row in evals0 if row["step"] == 0 and "eval/success_rate" in row) == 1
 
 
+@pytest.mark.e2e
+@pytest.mark.parametrize("high_start", [0.0, 1.0])
+def test_a_high_start_frees_less_reach_and_keeps_it_on_resume(tmp_path, bc_checkpoint, high_start):
+    """high_start: where the step-0 evaluation succeeds at least that often (any success >= 0; the
+    untrained tiny policy's < 1) the reach cap starts at high_start_free_reach, else at free_reach;
+    a resumed run keeps the first part's choice (the same eval_every=0 run without the rule would not
+    evaluate at all; with it step 0 and the end are evaluated)."""
+    run_dir = tmp_path / "ft"
+    rule = ["eval_every=0", "log_every=8", "algo.reach_ramp_steps=40", "algo.free_reach=0.4", "algo.high_start_free_reach=0.2",
+            f"algo.high_start={high_start}"]
+    assert main([*finetune_args("residual_sac", bc_checkpoint, run_dir, env_steps=120), *rule]) == 0
+    assert main([*finetune_args("residual_sac", bc_checkpoint, run_dir, env_steps=240), *rule]) == 0
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in metrics if "eval/success_rate" in row][0] == 0
+    assert metrics[0]["eval/success_rate"] < 1
+    caps = {row["train/reach_cap"] for row in metrics if "train/reach_cap" in row and row["step"] <= 120}
+    assert caps == {0.2 if high_start == 0.0 else 0.4}
+    resumed = [row["train/reach_cap"] for row in metrics if "train/reach_cap" in row and row["step"] > 120]
+    assert set(resumed) == caps  # no cohort of 50 episodes ends this soon: the cap is the first part's
+
+
 @pytest.mark.parametrize("override, message", [
     ("algo.utd_ratio=0", "utd_ratio"),
     ("algo.noise_bound=0", "noise_bound"),
@@ -111,3 +132,14 @@ def test_bad_residual_config_exits_2(tmp_path, capsys, bc_checkpoint):
     args = finetune_args("residual_sac", bc_checkpoint, tmp_path / "ft2") + [f"algo.data={tmp_path / 'missing'}"]
     assert main(args) == 2
     assert "algo.data" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("algo, override, message", [
+    ("residual_sac", "algo.high_start=1.5", "algo.high_start must be in [0, 1] or null"),
+    ("residual_sac", "algo.high_start_free_reach=0", "algo.high_start_free_reach must be in (0, 1]"),
+])
+def test_a_bad_high_start_exits_2(tmp_path, capsys, bc_checkpoint, algo, override, message):
+    assert main(finetune_args(algo, bc_checkpoint, tmp_path / "ft") + [override]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "ft").exists()

@@ -855,6 +855,18 @@ class FinetuneLoop:
         if self.next_checkpoint is not None and self.step >= self.next_checkpoint:
             self.save(loop_state())
 
+    def starts_high(self, high_start: float) -> bool:
+        """Whether the step-0 evaluation (start(evaluate_start=True) of a fresh run) succeeded at
+        least `high_start` of the time, the same answer on every rank; False on a task without a
+        success signal. The run prints the verdict."""
+        info = self.evaluator.last_info if distributed.is_main() and self.evaluator.last_step == 0 else None
+        success = distributed.broadcast_object(info["overall"].get("success_rate") if info else None)
+        high = success is not None and success >= high_start
+        if distributed.is_main():
+            print(f"[finetune] the first evaluation's success is {success}: {'a' if high else 'not a'} high start "
+                  f"(algo.high_start={high_start})", flush=True)
+        return high
+
     def evaluate(self, step: int, force: bool = False) -> dict[str, Any] | None:
         """Evaluate when eval_every is due at `step` (or `force`; rank 0 only) and keep the agent
         as checkpoints/best when it scores at least the best so far: ties go to the later

@@ -110,7 +110,7 @@ class PPOConfig(AlgoConfig):
     base_reg_coef: float
     base_reg_decay_steps: int | None  # the regulariser's weight falls linearly to 0 over these env steps; None = constant
     base_reg_window: int | None  # the anchor lets go only as training success earns it, judged every this many episodes
-    base_reg_earned_above: float | None  # ... where the first evaluation's success is at least this; None = always
+    high_start: float | None  # ... only where the first evaluation succeeds at least this often; None = everywhere
     target_kl: float | None
     critic_warmup_iters: int
     norm_adv: bool
@@ -145,8 +145,7 @@ class PPOConfig(AlgoConfig):
             ("base_reg_window", self.base_reg_window is None or self.base_reg_window >= 1, ">= 1 episodes or null"),
             ("base_reg_window", self.base_reg_window is None or (self.base_reg_coef > 0 and not grpo),
              "null unless algo.base_reg_coef > 0 and PPO (it releases that regulariser by training success)"),
-            ("base_reg_earned_above", self.base_reg_earned_above is None or 0.0 <= self.base_reg_earned_above <= 1.0,
-             "in [0, 1] or null"),
+            ("high_start", self.high_start is None or 0.0 <= self.high_start <= 1.0, "in [0, 1] or null"),
             ("target_kl", self.target_kl is None or self.target_kl > 0, "> 0 or null"),
             ("critic_warmup_iters", self.critic_warmup_iters >= 0, ">= 0"),
             ("max_grad_norm", self.max_grad_norm > 0, "> 0"),
@@ -362,21 +361,15 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
             state["anchor_earned"] = anchor_earned
         return state
 
-    loop.start(f"finetune {algo.name}", evaluate_start=earned is not None and algo.base_reg_earned_above is not None)
-    # the earned anchor holds where the base policy's own first evaluation reaches base_reg_earned_above:
+    loop.start(f"finetune {algo.name}", evaluate_start=earned is not None and algo.high_start is not None)
+    # the release is earned at a high start (the base policy's own first evaluation reaches algo.high_start):
     # there RL has little to add and its noise much to take (docs/finetuning.md, "Do no harm")
-    if earned is not None and saved is not None:
+    if earned is None:
+        anchor_earned = False
+    elif saved is not None:
         anchor_earned = bool(saved.get("anchor_earned", True))
-    elif earned is not None and algo.base_reg_earned_above is not None:
-        start_info = loop.evaluator.last_info if distributed.is_main() else None
-        start_success = distributed.broadcast_object(start_info["overall"].get("success_rate") if start_info else None)
-        anchor_earned = start_success is not None and start_success >= algo.base_reg_earned_above
-        if distributed.is_main():
-            print(f"[finetune] the first evaluation's success is {start_success}: the anchor's release is "
-                  + ("earned by training success" if anchor_earned else
-                     f"the schedule's (below algo.base_reg_earned_above={algo.base_reg_earned_above})"), flush=True)
     else:
-        anchor_earned = earned is not None
+        anchor_earned = algo.high_start is None or loop.starts_high(algo.high_start)
     while loop.counters["iteration"] < iterations:
         iteration_start = time.perf_counter()
         steps_before = loop.env_steps

@@ -135,6 +135,8 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
     critic_only_steps: int
     reach_ramp_steps: int      # the residual's bound grows to residual_scale over these env steps (algos/wsrl.py)
     free_reach: float          # ... but past this fraction of it only as far as success earns (EarnedReach)
+    high_start: float | None   # a first evaluation (step 0) succeeding at least this often is a high start ...
+    high_start_free_reach: float  # ... where only this fraction of the reach is free; None = free_reach everywhere
     reach_window: int          # training episodes per verdict of EarnedReach
     interventions: str         # none | expert
     intervention_trigger: str  # stall | random
@@ -167,6 +169,8 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
             ("critic_only_steps", self.critic_only_steps >= 0, ">= 0"),
             ("reach_ramp_steps", self.reach_ramp_steps >= 0, ">= 0"),
             ("free_reach", 0 < self.free_reach <= 1, "in (0, 1] (1: the ramp alone)"),
+            ("high_start", self.high_start is None or 0 <= self.high_start <= 1, "in [0, 1] or null"),
+            ("high_start_free_reach", 0 < self.high_start_free_reach <= 1, "in (0, 1]"),
             ("reach_window", self.reach_window >= 1, ">= 1"),
             ("interventions", self.interventions in ("none", "expert"), "none or expert"),
             ("intervention_trigger", self.intervention_trigger in TRIGGERS, " or ".join(TRIGGERS)),
@@ -324,7 +328,6 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     distributed.broadcast_modules([learner.actor, learner.actor_target, learner.critic, learner.critic_target])
     distributed.seed_rank(seed)  # the ranks explore and sample their replay with different noise
     warm_start = WarmStart(algo.warmup_env_steps, algo.critic_only_steps, algo.reach_ramp_steps)
-    earned = EarnedReach(algo.free_reach, algo.reach_window)
     rewards = reward_settings(cfg)
     shaping = PotentialShaping(algo.reward_shaping, algo.gamma) if algo.reward_shaping else None
     shapes = {"obs": (obs_dim,), "base": (action_dim,), "action": (action_dim,), "reward": (), "discount": (),
@@ -363,6 +366,15 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
 
     loop = FinetuneLoop(cfg, run, EnvEvaluation(cfg, run, make_agent, policy.env_options()))
     saved = loop.resume({"learner": learner}, learner.optimizers(), write_agent)
+    loop.start(f"finetune {algo.name}", evaluate_start=algo.high_start is not None)
+    # at a high start (the base policy's own first evaluation reaches algo.high_start) RL has more to
+    # lose than to gain: less of the reach is free (docs/finetuning.md, "Do no harm")
+    free_reach = algo.free_reach
+    if saved is not None:
+        free_reach = float(saved.get("free_reach", free_reach))
+    elif algo.high_start is not None and loop.starts_high(algo.high_start):
+        free_reach = min(free_reach, algo.high_start_free_reach)
+    earned = EarnedReach(free_reach, algo.reach_window)
     if saved is not None and "earned_reach" in saved:
         earned.load_state_dict(saved["earned_reach"])
     queue = PolicyRunner(policy, num_envs, seed=distributed.rank_seed(seed))
@@ -391,10 +403,9 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         return {"env": env_snapshot(env), "obs": obs, "base": base, "window": window, "queue": queue.state_dict(),
                 "demo_generator": demo_generator.get_state(), "pending_updates": budget.state_dict(),
                 "replay": {"online": replay.state_dict(), "intervened": intervened.state_dict()},
-                "earned_reach": earned.state_dict(), "episode_regime": episode_regime,
+                "earned_reach": earned.state_dict(), "episode_regime": episode_regime, "free_reach": free_reach,
                 **takeover.state_dict(), **({"shaping": shaping.state()} if shaping is not None else {})}
 
-    loop.start(f"finetune {algo.name}")
     while loop.env_steps < loop.total_env_steps:
         phase = warm_start.phase(loop.env_steps)
         learner.set_reach(min(warm_start.reach(loop.env_steps), earned.cap))

@@ -303,7 +303,7 @@ def test_an_earned_anchor_keeps_its_weight_until_training_success_releases_it(ch
     starting at 0.05 and moved by windows of training episodes against the critic warm-up's."""
     assert main(["finetune", f"checkpoint={checkpoints / 'flow'}", "env_steps=320", "eval_every=0",
                  f"run_dir={tmp_path}", *TINY, *RESIDUAL, "algo.base_reg_coef=0.5", "algo.base_reg_decay_steps=64",
-                 "algo.critic_warmup_iters=1", "algo.base_reg_window=1", "algo.base_reg_earned_above=null"]) == 0
+                 "algo.critic_warmup_iters=1", "algo.base_reg_window=1", "algo.high_start=null"]) == 0
     rows = [row for row in read_metrics(tmp_path) if "train/base_reg_coef" in row]
     schedule = [0.5 * max(0.0, 1 - 32 * i / 64) for i in range(len(rows))]
     releases = [row["train/anchor_release"] for row in rows]
@@ -314,26 +314,32 @@ def test_an_earned_anchor_keeps_its_weight_until_training_success_releases_it(ch
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("earned_above", [0.0, 1.0])
-def test_the_anchor_is_earned_only_where_the_first_evaluation_reaches_the_threshold(checkpoints, tmp_path,  # noqa: F811
-                                                                                     earned_above):
-    """base_reg_earned_above: the earned release holds the anchor only where the step-0 evaluation
+@pytest.mark.parametrize("high_start", [0.0, 1.0])
+def test_the_anchor_is_earned_only_at_a_high_start(checkpoints, tmp_path, high_start):  # noqa: F811
+    """high_start: the earned release holds the anchor only where the step-0 evaluation
     succeeds at least that often (the untrained tiny policy's success is below 1, at least 0); else
     the weight is the schedule's alone. The rule evaluates step 0 (and so the end) even at eval_every=0."""
     assert main(["finetune", f"checkpoint={checkpoints / 'flow'}", "env_steps=256", "eval_every=0",
                  f"run_dir={tmp_path}", *TINY, *RESIDUAL, "algo.base_reg_coef=0.5", "algo.base_reg_decay_steps=64",
                  "algo.critic_warmup_iters=1", "algo.base_reg_window=1",
-                 f"algo.base_reg_earned_above={earned_above}"]) == 0
+                 f"algo.high_start={high_start}"]) == 0
     metrics = read_metrics(tmp_path)
     evaluated = [row["step"] for row in metrics if "eval/success_rate" in row]
     assert evaluated[0] == 0 and evaluated[-1] == 256 and metrics[0]["eval/success_rate"] < 1
     rows = [row for row in metrics if "train/base_reg_coef" in row]
     schedule = [0.5 * max(0.0, 1 - 32 * i / 64) for i in range(len(rows))]
-    earned = earned_above == 0.0
+    earned = high_start == 0.0
     assert {row["train/anchor_earned"] for row in rows} == {float(earned)}
     assert [row["train/base_reg_coef"] for row in rows] == pytest.approx(
         [max(s, 0.5 * (1 - row["train/anchor_release"])) if earned else s for s, row in zip(schedule, rows)])
     assert (rows[-1]["train/base_reg_coef"] > 0) == earned
+
+
+def test_a_high_start_out_of_range_exits_2(checkpoints, tmp_path, capsys):  # noqa: F811
+    assert main(["finetune", f"checkpoint={checkpoints / 'flow'}", f"run_dir={tmp_path / 'r'}", *TINY,
+                 *RESIDUAL, "algo.high_start=-0.1"]) == 2
+    assert "algo.high_start must be in [0, 1] or null" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
 
 
 def test_an_earned_anchor_needs_ppo_and_the_regulariser(checkpoints, tmp_path, capsys):  # noqa: F811
