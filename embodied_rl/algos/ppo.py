@@ -366,8 +366,8 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     # there RL has little to add and its noise much to take (docs/finetuning.md, "Do no harm")
     if earned is None:
         anchor_earned = False
-    elif saved is not None:
-        anchor_earned = bool(saved.get("anchor_earned", True))
+    elif saved is not None:  # as the first part chose (a checkpoint from before the rule: whether it had the anchor)
+        anchor_earned = bool(saved.get("anchor_earned", "earned_anchor" in saved))
     else:
         anchor_earned = algo.high_start is None or loop.starts_high(algo.high_start)
     while loop.counters["iteration"] < iterations:

@@ -335,6 +335,23 @@ def test_the_anchor_is_earned_only_at_a_high_start(checkpoints, tmp_path, high_s
     assert (rows[-1]["train/base_reg_coef"] > 0) == earned
 
 
+@pytest.mark.e2e
+def test_a_resumed_run_keeps_its_first_part_s_high_start_verdict(checkpoints, tmp_path, capsys):  # noqa: F811
+    """The verdict is the first part's, kept in its checkpoint: the resumed part neither evaluates step 0
+    again nor judges the start (its first training rows come before any evaluation it runs)."""
+    args = ["finetune", f"checkpoint={checkpoints / 'flow'}", "eval_every=0", f"run_dir={tmp_path}", *TINY, *RESIDUAL,
+            "algo.base_reg_coef=0.5", "algo.base_reg_decay_steps=64", "algo.critic_warmup_iters=1",
+            "algo.base_reg_window=1", "algo.high_start=0.0"]
+    assert main([*args, "env_steps=128"]) == 0
+    assert "a high start (algo.high_start=0.0)" in capsys.readouterr().out
+    assert main([*args, "env_steps=256"]) == 0
+    assert "high start" not in capsys.readouterr().out
+    metrics = read_metrics(tmp_path)
+    assert [row["step"] for row in metrics if "eval/success_rate" in row] == [0, 128, 256]
+    rows = [row for row in metrics if "train/anchor_earned" in row]
+    assert rows[-1]["step"] == 256 and {row["train/anchor_earned"] for row in rows} == {1.0}
+
+
 def test_a_high_start_out_of_range_exits_2(checkpoints, tmp_path, capsys):  # noqa: F811
     assert main(["finetune", f"checkpoint={checkpoints / 'flow'}", f"run_dir={tmp_path / 'r'}", *TINY,
                  *RESIDUAL, "algo.high_start=-0.1"]) == 2
