@@ -381,7 +381,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
             loop.record_episodes(stats["returns"], stats["successes"], learned_successes=stats["learned_successes"])
         else:
             batch, obs = collect_ppo(env, henv, actor, obs, algo.num_steps, loop, rewards.sparse, shaping,
-                                     rewards.bootstrap_truncation, record_episodes if earned is not None else None)
+                                     rewards.bootstrap_truncation, record_episodes if anchor_earned else None)
             advantages, returns = core.gae(batch["reward"], batch["value"], batch["next_value"],
                                            batch["terminated"], batch["truncated"], algo.gamma, algo.gae_lambda)
             batch["advantage"], batch["return"] = advantages, returns
@@ -518,8 +518,10 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
                     "train/replayed_rows": float(batch_size - fresh)})
         if first_ratio_dev is not None:
             log["train/first_minibatch_ratio_dev"] = first_ratio_dev
-        if earned is not None:  # the release, and whether it is the anchor's (1) or only tracked (0)
-            log["train/anchor_release"], log["train/anchor_earned"] = earned.cap, float(anchor_earned)
+        if earned is not None:  # whether the release is earned (1) or the schedule's (0), and the release
+            log["train/anchor_earned"] = float(anchor_earned)
+            if anchor_earned:
+                log["train/anchor_release"] = earned.cap
         if grpo:
             log["train/informative_groups"] = stats["informative_groups"]
         elif value_fit is not None:

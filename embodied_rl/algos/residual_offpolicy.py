@@ -136,7 +136,7 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
     reach_ramp_steps: int      # the residual's bound grows to residual_scale over these env steps (algos/wsrl.py)
     free_reach: float          # ... but past this fraction of it only as far as success earns (EarnedReach)
     high_start: float | None   # a first evaluation (step 0) succeeding at least this often is a high start ...
-    high_start_free_reach: float  # ... where only this fraction of the reach is free; None = free_reach everywhere
+    high_start_free_reach: float  # ... where only this fraction of the reach is free (high_start None: nowhere)
     reach_window: int          # training episodes per verdict of EarnedReach
     interventions: str         # none | expert
     intervention_trigger: str  # stall | random
