@@ -32,7 +32,8 @@ from scaling import launch, make_checkpoint  # noqa: E402
 
 CUDA_NS = (1024, 2048, 4096, 8192)
 CPU_NS = (4, 8)
-PPO = ["algo=residual_ppo", "algo.num_steps=16", "algo.critic_warmup_iters=0", "algo.target_kl=null"]
+# algo.high_start=null: no evaluation of the start (throughput only; eval_every=0 evaluates nothing then)
+PPO = ["algo=residual_ppo", "algo.num_steps=16", "algo.critic_warmup_iters=0", "algo.target_kl=null", "algo.high_start=null"]
 EPOCHS, MINIBATCHES = 10, 4  # configs/algo/residual_ppo.yaml and _ppo.yaml
 
 
@@ -89,7 +90,12 @@ def main() -> None:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here: pass --device cpu to run on Warp's CPU device")
     ns = [int(n) for n in args.ns.split(",")] if args.ns else list(CUDA_NS if args.device.startswith("cuda") else CPU_NS)
-    work = Path(tempfile.mkdtemp(prefix="gpu_throughput_"))
+    with tempfile.TemporaryDirectory(prefix="gpu_throughput_") as tmp:
+        results = measure(args, ns, Path(tmp))
+    print(json.dumps(results))
+
+
+def measure(args: argparse.Namespace, ns: list[int], work: Path) -> dict[str, Any]:
     checkpoint = make_checkpoint(args.task, work / "policy")
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "Warp CPU device"
     results: dict[str, Any] = {"task": args.task, "device": args.device, "gpu": gpu, "machine": platform.machine(),
@@ -99,7 +105,7 @@ def main() -> None:
         row.update(training(args.task, checkpoint, n, args.device, args.iterations, work))
         results["rows"][n] = row
         print(f"N={n}: " + ", ".join(f"{key} {value:.0f}" for key, value in row.items()), flush=True)
-    print(json.dumps(results))
+    return results
 
 
 if __name__ == "__main__":
