@@ -14,6 +14,13 @@ line printed is one JSON object with every row.
     python benchmarks/metaworld_table.py --tasks MT50 --experts-only --expert-episodes 50
 
 runs only Meta-World's scripted policies (quality 1) on every task and prints their success rates.
+
+    python benchmarks/metaworld_table.py --tasks MT10 --algos residual_offpolicy residual_ppo \
+        --out runs/metaworld_table --figure curves.png
+
+trains nothing: it draws a panel per task from the fine-tuning runs already in --out (every seed
+of every --algos method; a run still under way shows its curve so far), BC's start dashed, and
+prints each run's curve and its dip (the deepest fall below the curve's first point).
 """
 
 from __future__ import annotations
@@ -25,7 +32,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from finetune_table import bc_checkpoint, evaluate_once, finetune_run  # noqa: E402
+from finetune_table import (  # noqa: E402
+    bc_checkpoint,
+    curve,
+    dip,
+    evaluate_once,
+    finetune_run,
+    instruction_figure,
+    refuse,
+)
 
 
 def suite_tasks(names: list[str]) -> list[str]:
@@ -87,6 +102,32 @@ def table(args) -> dict:
     return rows
 
 
+def figure(args) -> dict:
+    """A panel per task: the periodic evaluations of every run in --out of each --algos method
+    (`<task>_<algo>_<seed>/finetune`), and their dips."""
+    from embodied_rl.runs import read_metrics
+
+    root = Path(args.out)
+    panels: dict[str, dict[str, list]] = {}
+    rows = {}
+    for short in suite_tasks(args.tasks):
+        for algo in args.algos:
+            for run_dir in sorted(root.glob(f"metaworld/{short}_{algo}_*/finetune")):
+                seed = run_dir.parent.name.removeprefix(f"{short}_{algo}_")
+                if not seed.isdigit() or not (run_dir / "metrics.jsonl").exists():  # another algo's (dsrl_na: dsrl)
+                    continue
+                points = curve(read_metrics(run_dir))
+                if not points:
+                    continue
+                panels.setdefault(short, {}).setdefault(algo, []).append(points)
+                rows[str(run_dir.parent)] = {"task": short, "algo": algo, "curve": points, "dip": dip(points)}
+                print(f"{run_dir.parent.name:<44} dip {dip(points):.2f}  " + " ".join(f"{r:.2f}" for _, r in points))
+    if not panels:
+        refuse(f"--figure: no fine-tuning runs of {' '.join(args.algos)} under {root}")
+    print(instruction_figure(panels, f"Meta-World, {', '.join(args.algos)}", Path(args.figure)))
+    return rows
+
+
 def print_table(rows: dict, args) -> None:
     print(f"\nMeta-World v3 on EnvPool; {args.eval_episodes} evaluation episodes per success rate (Wilson 95% "
           f"interval); 'to {args.target:.0%}': env steps and training wall time to the first periodic evaluation "
@@ -133,9 +174,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", default="runs/metaworld_table")
     parser.add_argument("--experts-only", action="store_true", help="only the scripted experts' success rates")
     parser.add_argument("--expert-episodes", type=int, default=50)
+    parser.add_argument("--figure", default=None, help="draw the runs in --out into this image; train nothing")
     return parser.parse_args()
 
 
 if __name__ == "__main__":
     arguments = parse_args()
-    print(json.dumps(expert_rates(arguments) if arguments.experts_only else table(arguments)))
+    mode = expert_rates if arguments.experts_only else figure if arguments.figure else table
+    print(json.dumps(mode(arguments)))

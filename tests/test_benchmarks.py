@@ -170,6 +170,15 @@ def test_metaworld_table_reports_expert_bc_and_finetuned_rows(tmp_path, capsys, 
     assert row["expert"] == 1.0 and row["demos"] == 2 and 0.0 <= row["bc"] <= 1.0
     assert row["residual_ppo"]["env_steps"] >= 32 and len(row["residual_ppo"]["ci95"]) == 2
     assert "reach" in capsys.readouterr().out
+    # --figure draws the runs already there (another algo's directory is not this one's) and trains nothing
+    (tmp_path / "out" / "metaworld" / "reach_residual_ppo_x" / "finetune").mkdir(parents=True)
+    monkeypatch.setattr(sys, "argv", argv + ["--figure", str(tmp_path / "curves.png"), "--seed", "7"])
+    drawn = bench.figure(bench.parse_args())
+    assert [(r["task"], r["algo"]) for r in drawn.values()] == [("reach", "residual_ppo")]
+    run = next(iter(drawn.values()))
+    assert run["curve"] == row["residual_ppo"]["curve"] and run["dip"] == row["residual_ppo"]["dip"]
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert not (tmp_path / "out" / "metaworld" / "reach_residual_ppo_7").exists()
 
 
 def test_gpu_throughput_runs_on_warps_cpu_device(capsys, monkeypatch):
