@@ -195,9 +195,9 @@ def curve_row(label: str, points: list[tuple[int, float]], target: float) -> dic
             "steps_to_target": reached, "last": points[-1][1]}
 
 
-def instruction_figure(panels: dict[str, dict[str, list[list[tuple[int, float]]]]], title: str, path: Path) -> Path:
-    """A panel per instruction: each run's curve for it (a colour per label) and its runs' mean
-    start (the base policy) dashed."""
+def panel_figure(panels: dict[str, dict[str, list[list[tuple[int, float]]]]], title: str, path: Path) -> Path:
+    """A panel per key (an instruction of a multi-task run, a task): each run's curve there (a
+    colour per label) and its runs' mean start (the base policy) dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -250,7 +250,7 @@ def curves_by_instruction(args) -> dict:
             dips = " ".join(f"{row['dip']:.2f}" for row in rows.values()
                             if row["instruction"] == text and row["label"] == label)
             print(f"{text[:40]:<40} {label[:16]:<16} {dips:>24}")
-    print(instruction_figure(panels, args.title, Path(args.out)))
+    print(panel_figure(panels, args.title, Path(args.out)))
     return rows
 
 

@@ -38,7 +38,7 @@ from finetune_table import (  # noqa: E402
     dip,
     evaluate_once,
     finetune_run,
-    instruction_figure,
+    panel_figure,
     refuse,
 )
 
@@ -124,7 +124,7 @@ def figure(args) -> dict:
                 print(f"{run_dir.parent.name:<44} dip {dip(points):.2f}  " + " ".join(f"{r:.2f}" for _, r in points))
     if not panels:
         refuse(f"--figure: no fine-tuning runs of {' '.join(args.algos)} under {root}")
-    print(instruction_figure(panels, f"Meta-World, {', '.join(args.algos)}", Path(args.figure)))
+    print(panel_figure(panels, f"Meta-World, {', '.join(args.algos)}", Path(args.figure)))
     return rows
 
 
