@@ -202,6 +202,7 @@ def panel_figure(panels: dict[str, dict[str, list[list[tuple[int, float]]]]], ti
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     columns = min(5, len(panels))
     rows = -(-len(panels) // columns)
@@ -221,6 +222,8 @@ def panel_figure(panels: dict[str, dict[str, list[list[tuple[int, float]]]]], ti
         axes.set_ylim(-0.02, 1.02)
         axes.grid(alpha=0.3)
         axes.tick_params(labelsize=6)
+        axes.xaxis.set_major_locator(MaxNLocator(4))
+        axes.xaxis.set_major_formatter(FuncFormatter(lambda step, _: f"{step / 1000:g}k"))  # env steps
     for axes in list(grid.flat)[len(panels):]:
         axes.axis("off")
     grid.flat[0].legend(fontsize=6)
