@@ -142,7 +142,7 @@ def test_residual_sac_update_cost_grows_with_the_ensemble(capsys):
 def test_finetune_timing_compares_reinflow_with_dppo(capsys, monkeypatch):
     bench = load_benchmark("finetune_table")
     monkeypatch.setattr(sys, "argv", ["finetune_table.py", "timing", "--num-envs", "2", "--chunks", "1",
-                                      "--repeats", "1"])
+                                      "--repeats", "2"])
     result = bench.timing(bench.parse_args())
     assert set(result["iteration_s"]) == {"DPPO K=10 (diffusion)"} | {f"ReinFlow K={k} (flow)" for k in (1, 2, 3, 4)}
     assert all(seconds > 0 for seconds in result["iteration_s"].values())
