@@ -145,6 +145,9 @@ def instruction_curves(metrics: list[dict]) -> dict[str, list[tuple[int, float]]
     return {text: sorted(points) for text, points in by_text.items()}
 
 
+DIP_TOLERANCE = 0.05  # issue 38's target: no periodic evaluation more than 5 points below the start
+
+
 def dip(points: list[tuple[int, float]]) -> float:
     """How far the lowest later evaluation falls below the first (the base policy on the same
     episodes); 0 when none falls below it."""
@@ -218,7 +221,10 @@ def panel_figure(panels: dict[str, dict[str, list[list[tuple[int, float]]]]], ti
                 starts.append(rates[0])
                 axes.plot(steps, rates, color=colours[index % len(colours)], marker="o", markersize=1.5,
                           linewidth=0.8, label=label if number == 0 else None)
-        axes.axhline(sum(starts) / len(starts), color="grey", linestyle="--", linewidth=0.8)
+        start = sum(starts) / len(starts)
+        axes.axhline(start, color="grey", linestyle="--", linewidth=0.8)
+        # the do-no-harm tolerance: an evaluation below this band fell more than 5 points below the start
+        axes.axhspan(start - DIP_TOLERANCE, start, color="grey", alpha=0.15, linewidth=0)
         axes.set_title(text if len(text) <= 32 else text[:30] + "..", fontsize=7)
         axes.set_ylim(-0.02, 1.02)
         axes.grid(alpha=0.3)
@@ -228,7 +234,7 @@ def panel_figure(panels: dict[str, dict[str, list[list[tuple[int, float]]]]], ti
     for axes in list(grid.flat)[len(panels):]:
         axes.axis("off")
     grid.flat[0].legend(fontsize=6)
-    figure.suptitle(f"{title} (dashed: the base policy)", fontsize=9)
+    figure.suptitle(f"{title} (dashed: the base policy; shaded: {DIP_TOLERANCE * 100:.0f} points below it)", fontsize=9)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)
