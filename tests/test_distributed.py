@@ -169,30 +169,20 @@ def test_two_ranks_train_resume_exactly_and_keep_equal_weights(algo, extra, bc, 
     assert main(["finetune", *common, "env_steps=512", f"run_dir={stopped}"]) == 2
 
 
-def test_pretrain_on_two_ranks(tmp_path):
-    from embodied_rl.cli import main
-
-    assert main(["collect", "task=reach", "demos=4", f"run_dir={tmp_path / 'demos'}"]) == 0
-    done = torchrun("pretrain", "task=reach", f"data={tmp_path / 'demos' / 'demos.zarr'}", "policy=flow", "steps=20",
-                    "log_every=10", "eval_episodes=2", "num_envs=2", "videos=0", f"run_dir={tmp_path / 'bc'}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "bc" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "train/loss" in r] == [10, 20]
-    assert (tmp_path / "bc" / "checkpoints" / "last" / "model.safetensors").exists()
-
-
-def test_pretrain_on_two_ranks_resumes_exactly(tmp_path):
+def test_pretrain_on_two_ranks_logs_evaluates_and_resumes_exactly(tmp_path):
     import shutil
 
     from embodied_rl.cli import main
 
     assert main(["collect", "task=reach", "demos=4", f"run_dir={tmp_path / 'demos'}"]) == 0
     args = ["pretrain", "task=reach", f"data={tmp_path / 'demos' / 'demos.zarr'}", "policy=flow", "steps=20",
-            "eval_every=10", "log_every=10", "eval_episodes=0", "videos=0", "batch_size=32",
+            "eval_every=10", "log_every=10", "eval_episodes=2", "num_envs=2", "videos=0", "batch_size=32",
             "policy.mlp.hidden_dim=32", "policy.mlp.num_blocks=1"]
     for name in ("whole", "parts"):
         done = torchrun(*args, f"run_dir={tmp_path / name}")
         assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [10, 20]  # rank 0 logs, once per step
     parts = tmp_path / "parts"
     for name in ("20", "last"):  # stopped before step 20's checkpoint: each rank's RNGs come back from step 10
         shutil.rmtree(parts / "checkpoints" / name)
