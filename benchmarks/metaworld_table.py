@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from finetune_table import (  # noqa: E402
+    DIP_TOLERANCE,
     bc_checkpoint,
     curve,
     dip,
@@ -124,6 +125,9 @@ def figure(args) -> dict:
                 print(f"{run_dir.parent.name:<44} dip {dip(points):.2f}  " + " ".join(f"{r:.2f}" for _, r in points))
     if not panels:
         refuse(f"--figure: no fine-tuning runs of {' '.join(args.algos)} under {root}")
+    fell = [Path(run).name for run, row in rows.items() if row["dip"] > DIP_TOLERANCE + 1e-9]
+    print(f"{len(rows) - len(fell)} of {len(rows)} runs never more than {DIP_TOLERANCE * 100:.0f} points below their "
+          f"start" + (f"; below it: {' '.join(fell)}" if fell else ""))
     print(panel_figure(panels, f"Meta-World, {', '.join(args.algos)}", Path(args.figure)))
     return rows
 

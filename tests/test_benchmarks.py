@@ -177,6 +177,8 @@ def test_metaworld_table_reports_expert_bc_and_finetuned_rows(tmp_path, capsys, 
     assert [(r["task"], r["algo"]) for r in drawn.values()] == [("reach", "residual_ppo")]
     run = next(iter(drawn.values()))
     assert run["curve"] == row["residual_ppo"]["curve"] and run["dip"] == row["residual_ppo"]["dip"]
+    held = "1 of 1 runs" if run["dip"] <= 0.05 else "0 of 1 runs"  # the verdict on the 5-point tolerance
+    assert f"{held} never more than 5 points below their start" in capsys.readouterr().out
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert not (tmp_path / "out" / "metaworld" / "reach_residual_ppo_7").exists()
 
