@@ -71,6 +71,8 @@ def timing(args) -> dict:
     """Rollout + update wall time per iteration: DPPO at K=10 against ReinFlow at K=1-4, in one
     process, one after the other. The networks are the same size, so a denoising step costs about
     the same in both; the speed-up is bounded by 10 / K (less the env's and the critic's share)."""
+    if args.repeats < 1:
+        refuse(f"--repeats {args.repeats}: at least one timed iteration is needed")
     torch.set_num_threads(1)
     cases = [("DPPO K=10 (diffusion)", "diffusion", 10, "dppo")]
     cases += [(f"ReinFlow K={k} (flow)", "flow", k, "reinflow") for k in (1, 2, 3, 4)]
@@ -145,7 +147,7 @@ def instruction_curves(metrics: list[dict]) -> dict[str, list[tuple[int, float]]
     return {text: sorted(points) for text, points in by_text.items()}
 
 
-DIP_TOLERANCE = 0.05  # issue 38's target: no periodic evaluation more than 5 points below the start
+DIP_TOLERANCE = 0.05  # do no harm: no periodic evaluation more than 5 points below the start
 
 
 def dip(points: list[tuple[int, float]]) -> float:
