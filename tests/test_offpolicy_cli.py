@@ -96,6 +96,9 @@ def test_a_high_start_frees_less_reach_and_keeps_it_on_resume(tmp_path, bc_check
     assert caps == {0.2 if high_start == 0.0 else 0.4}
     resumed = [row["train/reach_cap"] for row in metrics if "train/reach_cap" in row and row["step"] > 120]
     assert set(resumed) == caps  # no cohort of 50 episodes ends this soon: the cap is the first part's
+    # at a high start the odd envs probe one reach step past the cap (algo.high_start_probe), resumed too
+    probes = {row.get("train/reach_probe") for row in metrics if "train/reach_cap" in row}
+    assert probes == ({0.2 + 0.2} if high_start == 0.0 else {None})
 
 
 @pytest.mark.parametrize("override, message", [
@@ -137,6 +140,7 @@ def test_bad_residual_config_exits_2(tmp_path, capsys, bc_checkpoint):
 @pytest.mark.parametrize("algo, override, message", [
     ("residual_sac", "algo.high_start=1.5", "algo.high_start must be in [0, 1] or null"),
     ("residual_sac", "algo.high_start_free_reach=0", "algo.high_start_free_reach must be in (0, 1]"),
+    ("residual_sac", "algo.high_start_probe=sometimes", "algo.high_start_probe"),
 ])
 def test_a_bad_high_start_exits_2(tmp_path, capsys, bc_checkpoint, algo, override, message):
     assert main(finetune_args(algo, bc_checkpoint, tmp_path / "ft") + [override]) == 2

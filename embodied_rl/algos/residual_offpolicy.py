@@ -137,6 +137,7 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
     free_reach: float          # ... but past this fraction of it only as far as success earns (EarnedReach)
     high_start: float | None   # a first evaluation (step 0) succeeding at least this often is a high start ...
     high_start_free_reach: float  # ... where only this fraction of the reach is free (high_start None: nowhere)
+    high_start_probe: bool     # ... and half the envs probe one reach step past the cap (EarnedReach.probe)
     reach_window: int          # training episodes per verdict of EarnedReach
     interventions: str         # none | expert
     intervention_trigger: str  # stall | random
@@ -171,6 +172,7 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
             ("free_reach", 0 < self.free_reach <= 1, "in (0, 1] (1: the ramp alone)"),
             ("high_start", self.high_start is None or 0 <= self.high_start <= 1, "in [0, 1] or null"),
             ("high_start_free_reach", 0 < self.high_start_free_reach <= 1, "in (0, 1]"),
+            ("high_start_probe", isinstance(self.high_start_probe, bool), "true or false"),
             ("reach_window", self.reach_window >= 1, ">= 1"),
             ("interventions", self.interventions in ("none", "expert"), "none or expert"),
             ("intervention_trigger", self.intervention_trigger in TRIGGERS, " or ".join(TRIGGERS)),
@@ -235,10 +237,14 @@ class ResidualOffPolicyLearner:
     def optimizers(self) -> dict[str, Any]:
         return {"actor": self.actor_optimizer, "critic": self.critic_optimizer, "alpha": self.alpha_optimizer}
 
-    def explore(self, obs: Tensor, base: Tensor) -> Tensor:
-        """Residual for data collection: SAC samples; TD3 adds Gaussian exploration noise."""
+    def explore(self, obs: Tensor, base: Tensor, gain: Tensor | None = None) -> Tensor:
+        """Residual for data collection: SAC samples; TD3 adds Gaussian exploration noise. `gain`
+        (per env) stretches the actor's residual before the noise: EarnedReach's probe arm acts at
+        its reach while the actor is bounded by the held arm's."""
         with torch.no_grad():
             residual, _ = self.actor.sample(obs, base)
+            if gain is not None:
+                residual = residual * gain.to(residual.device)[:, None]
             if self.algo.learner == "td3":
                 full = float(self.algo.residual_scale)
                 noise = torch.randn_like(residual) * float(self.algo.exploration_noise) * full * self.actor.dims
@@ -369,12 +375,16 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     loop.start(f"finetune {algo.name}", evaluate_start=algo.high_start is not None)
     # at a high start (the base policy's own first evaluation reaches algo.high_start) RL has more to
     # lose than to gain: less of the reach is free (docs/finetuning.md, "Do no harm")
-    free_reach = algo.free_reach
+    # ... and a gain is too small for the baseline to resolve, so the odd envs probe one reach step
+    # past the cap beside the even ones (EarnedReach.probe); evaluations act at the cap
+    free_reach, probing = algo.free_reach, False
     if saved is not None:
-        free_reach = float(saved.get("free_reach", free_reach))
+        free_reach, probing = float(saved.get("free_reach", free_reach)), bool(saved.get("probing", False))
     elif algo.high_start is not None and loop.starts_high(algo.high_start):
         free_reach = min(free_reach, algo.high_start_free_reach)
-    earned = EarnedReach(free_reach, algo.reach_window)
+        probing = algo.high_start_probe and free_reach < 1.0
+    earned = EarnedReach(free_reach, algo.reach_window, probe=probing)
+    probe_envs = (torch.arange(num_envs) % 2 == 1) & probing
     if saved is not None and "earned_reach" in saved:
         earned.load_state_dict(saved["earned_reach"])
     queue = PolicyRunner(policy, num_envs, seed=distributed.rank_seed(seed))
@@ -384,10 +394,12 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         obs, _ = env.reset(seed=distributed.rank_seed(seed + loop.env_steps))
         base = queue.act(obs)
         episode_regime = torch.full((num_envs,), earned.start(warm_start.phase(loop.env_steps), num_envs))
+        episode_probe = torch.zeros(num_envs, dtype=torch.bool)  # no probing before the full phase
     else:  # continue exactly where the checkpoint stopped
         env.set_state(saved["env"])
         obs, base, window = saved["obs"], saved["base"], saved["window"]
         episode_regime = saved.get("episode_regime", torch.full((num_envs,), EarnedReach.IGNORED))
+        episode_probe = saved.get("episode_probe", torch.zeros(num_envs, dtype=torch.bool))
         queue.load_state_dict(saved["queue"])
         if shaping is not None:
             shaping.load_state(saved["shaping"])
@@ -404,20 +416,28 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
                 "demo_generator": demo_generator.get_state(), "pending_updates": budget.state_dict(),
                 "replay": {"online": replay.state_dict(), "intervened": intervened.state_dict()},
                 "earned_reach": earned.state_dict(), "episode_regime": episode_regime, "free_reach": free_reach,
+                "probing": probing, "episode_probe": episode_probe,
                 **takeover.state_dict(), **({"shaping": shaping.state()} if shaping is not None else {})}
 
     while loop.env_steps < loop.total_env_steps:
         phase = warm_start.phase(loop.env_steps)
-        learner.set_reach(min(warm_start.reach(loop.env_steps), earned.cap))
+        reach = min(warm_start.reach(loop.env_steps), earned.cap)
+        probe_reach = min(warm_start.reach(loop.env_steps), earned.probe_cap)
+        learner.set_reach(reach)
+        gain = torch.where(episode_probe, probe_reach / reach, 1.0) if bool(episode_probe.any()) else None
         obs_features = features(obs)  # once per step: for the actor now, and for the replay
-        residual = torch.zeros_like(base) if phase == WARMUP else learner.explore(obs_features, base.to(device)).to(base.device)
+        residual = (torch.zeros_like(base) if phase == WARMUP
+                    else learner.explore(obs_features, base.to(device), gain).to(base.device))
         action = takeover.act(obs, (base + residual).clamp(-1.0, 1.0))
         next_obs, reward, terminated, truncated, info = env.step(action)
         done = terminated | truncated
         takeover.after_step(reward, done, info)
         ended = info["_episode"].cpu()
-        earned.record(episode_regime[ended], visible_success(info)[ended])
-        episode_regime[done.cpu()] = earned.start(phase, int(done.sum()))  # the episodes that start at the next step
+        earned.record(episode_regime[ended], visible_success(info)[ended], episode_probe[ended])
+        starting = done.cpu()  # the episodes that start at the next step; a probe env probes once its reach is larger
+        probe_starts = starting & probe_envs & (phase == FULL) & (probe_reach > reach)
+        episode_regime[starting] = earned.start(phase, int((starting & ~probe_starts).sum()), int(probe_starts.sum()))
+        episode_probe[starting] = probe_starts[starting]
         final_obs = where_obs(done, info["final_obs"], next_obs)
         bootstrap_base = queue.peek(final_obs, done)  # what the base policy would do at final_obs
         queue.reset(done.cpu())
@@ -453,6 +473,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
                         loop.check_finite(key, stats[key], stats)
 
         row = {**stats, "train/phase": {WARMUP: 0, CRITIC: 1, FULL: 2}[phase], "train/reach_cap": earned.cap,
+               **({"train/reach_probe": earned.probe_cap} if probing else {}),
                **takeover.metrics()}
         if loop.log(row):
             takeover.window_logged()

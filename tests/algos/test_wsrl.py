@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -39,6 +41,14 @@ def test_a_ramped_learner_bounds_its_residual_and_saves_the_bound():
     residual = learner.actor(torch.zeros(4, 3), torch.zeros(4, 2))
     assert torch.allclose(residual, torch.full((4, 2), 0.1 * algo.residual_scale))
     assert learner.config["residual_scale"] == 0.1 * algo.residual_scale  # agent.json acts with this bound
+    # EarnedReach's probe arm: the same actor, its residual stretched to the probe's reach (noise off)
+    quiet = ResidualOffPolicyLearner(dataclasses.replace(algo, exploration_noise=0.0), obs_dim=3, action_dim=2,
+                                     device=torch.device("cpu"), seed=0)
+    with torch.no_grad():
+        quiet.actor.trunk[-1].bias.fill_(10.0)
+    quiet.set_reach(0.1)
+    probed = quiet.explore(torch.zeros(4, 3), torch.zeros(4, 2), torch.tensor([1.0, 2.0, 1.0, 2.0]))
+    assert torch.allclose(probed[1::2], 2 * residual[1::2]) and torch.allclose(probed[::2], residual[::2])
 
 
 def test_a_ramped_td3_learner_explores_at_the_full_scale():
@@ -164,6 +174,67 @@ def test_a_solved_task_keeps_its_free_reach_and_without_a_critic_phase_the_first
     assert off.start(CRITIC, 10) == off.start(FULL, 10) == EarnedReach.IGNORED
     ended(off, EarnedReach.BASELINE, 0, 10)
     assert off.cap == 1.0 and off.baseline is None
+
+
+def arms(earned, held_successes, probe_successes, per_arm=25):
+    """A cohort of `per_arm` held-arm and `per_arm` probe-arm episodes starts, then ends."""
+    tag = earned.start(FULL, per_arm, per_arm)
+    successes = torch.cat([torch.arange(per_arm) < held_successes, torch.arange(per_arm) < probe_successes])
+    earned.record(torch.full((2 * per_arm,), tag), successes, torch.arange(2 * per_arm) >= per_arm)
+
+
+def test_a_probe_arm_that_beats_the_held_arm_earns_the_reach_the_baseline_cannot_resolve():
+    # a high start: baseline .88 on 60 episodes; held arm at .88, probe arm one step further at 1.0
+    earned = EarnedReach(free_reach=0.2, window=50, probe=True)
+    baseline(earned, 53, 60)
+    assert earned.probe_cap == pytest.approx(0.4)
+    arms(earned, 22, 25)  # one cohort: 22/25 against 25/25 lies within two standard errors
+    assert earned.cap == pytest.approx(0.2)
+    arms(earned, 22, 25)  # summed since the cap last moved: 44/50 against 50/50 beats them
+    assert earned.cap == pytest.approx(0.4) and earned.probe_cap == pytest.approx(0.6)
+    assert earned.probe_counts == [0.0, 0.0, 0.0, 0.0]  # a new cap starts a new comparison
+    # the held arm alone, without probing, never earns it: .88 cannot beat a baseline of .88
+    alone = EarnedReach(free_reach=0.2, window=50)
+    baseline(alone, 53, 60)
+    for _ in range(10):
+        cohort(alone, 44, 50)
+    assert alone.cap == pytest.approx(0.2) and alone.probe_cap == alone.cap
+
+
+def test_a_probe_arm_no_better_than_the_held_arm_earns_nothing_and_harm_still_takes_reach_back():
+    earned = EarnedReach(free_reach=0.2, window=50, probe=True)
+    baseline(earned, 60, 60)
+    for _ in range(20):  # a solved task: both arms at 1.0, for as long as the run goes
+        arms(earned, 25, 25)
+    assert earned.cap == pytest.approx(0.2)
+    for _ in range(5):  # the probe arm worse: nothing moves
+        arms(earned, 25, 20)
+    assert earned.cap == pytest.approx(0.2)
+    arms(earned, 15, 25)  # the held arm falls below the baseline: reach is taken back
+    assert earned.cap == pytest.approx(FIRST_REACH)
+    # equal arms at .9 on 20 simulated seeds: two-standard-error verdicts summed over a run rarely grow
+    grown = 0
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        run = EarnedReach(free_reach=0.2, window=50, probe=True)
+        baseline(run, 54, 60)
+        for _ in range(15):
+            arms(run, int(rng.binomial(25, 0.9)), int(rng.binomial(25, 0.9)))
+        grown += run.cap > 0.2
+    assert grown <= 3, grown
+
+
+def test_probe_counts_and_arms_round_trip_and_older_states_load():
+    earned = EarnedReach(free_reach=0.2, window=50, probe=True)
+    baseline(earned, 53, 60)
+    arms(earned, 22, 24)
+    earned.start(FULL, 3, 4)
+    restored = EarnedReach(free_reach=0.2, window=50, probe=True)
+    restored.load_state_dict(earned.state_dict())
+    assert restored.state_dict() == earned.state_dict() and restored.probe_counts[3] == 25
+    older = {"cap": 0.4, "baseline": [6.0, 10.0], "open_cohort": 2, "cohorts": {2: [1.0, 2.0, 3.0]}, "started_here": 1}
+    restored.load_state_dict(older)
+    assert restored.cohorts == {2: [1.0, 2.0, 3.0, 0.0, 0.0, 0.0]} and restored.started_here == [1, 0]
 
 
 def test_negative_lengths_are_user_errors():
