@@ -473,7 +473,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
                         loop.check_finite(key, stats[key], stats)
 
         row = {**stats, "train/phase": {WARMUP: 0, CRITIC: 1, FULL: 2}[phase], "train/reach_cap": earned.cap,
-               **({"train/reach_probe": earned.probe_cap} if probing else {}),
+               **(earned.probe_metrics() if probing else {}),
                **takeover.metrics()}
         if loop.log(row):
             takeover.window_logged()

@@ -182,6 +182,13 @@ class EarnedReach:
             self._verdict(*self.cohorts.pop(oldest))
             oldest = min(self.cohorts)
 
+    def probe_metrics(self) -> dict[str, float]:
+        """The probe arm's reach and, over the cohorts judged since the cap last moved, each arm's success."""
+        held_successes, held_n, probe_successes, probe_n = self.probe_counts
+        return {"train/reach_probe": self.probe_cap,
+                **({"train/reach_held_success": held_successes / held_n} if held_n else {}),
+                **({"train/reach_probe_success": probe_successes / probe_n} if probe_n else {})}
+
     @staticmethod
     def _complete(cohort: list[float]) -> bool:
         return cohort[1] >= cohort[2] and cohort[4] >= cohort[5]

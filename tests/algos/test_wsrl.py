@@ -190,6 +190,8 @@ def test_a_probe_arm_that_beats_the_held_arm_earns_the_reach_the_baseline_cannot
     assert earned.probe_cap == pytest.approx(0.4)
     arms(earned, 22, 25)  # one cohort: 22/25 against 25/25 lies within two standard errors
     assert earned.cap == pytest.approx(0.2)
+    assert earned.probe_metrics() == {"train/reach_probe": pytest.approx(0.4), "train/reach_held_success": 0.88,
+                                      "train/reach_probe_success": 1.0}
     arms(earned, 22, 25)  # summed since the cap last moved: 44/50 against 50/50 beats them
     assert earned.cap == pytest.approx(0.4) and earned.probe_cap == pytest.approx(0.6)
     assert earned.probe_counts == [0.0, 0.0, 0.0, 0.0]  # a new cap starts a new comparison
