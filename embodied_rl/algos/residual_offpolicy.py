@@ -239,8 +239,8 @@ class ResidualOffPolicyLearner:
 
     def explore(self, obs: Tensor, base: Tensor, gain: Tensor | None = None) -> Tensor:
         """Residual for data collection: SAC samples; TD3 adds Gaussian exploration noise. `gain`
-        (per env) stretches the actor's residual before the noise: EarnedReach's probe arm acts at
-        its reach while the actor is bounded by the held arm's."""
+        (per env) scales the actor's residual before the noise: while EarnedReach probes, the actor
+        learns at the probe arm's reach and the held arm acts with it scaled down to the cap."""
         with torch.no_grad():
             residual, _ = self.actor.sample(obs, base)
             if gain is not None:
@@ -423,8 +423,10 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         phase = warm_start.phase(loop.env_steps)
         reach = min(warm_start.reach(loop.env_steps), earned.cap)
         probe_reach = min(warm_start.reach(loop.env_steps), earned.probe_cap)
-        learner.set_reach(reach)
-        gain = torch.where(episode_probe, probe_reach / reach, 1.0) if bool(episode_probe.any()) else None
+        # while probing, the actor learns at the probe arm's reach; the held arm, the evaluations and the
+        # checkpoints act with its residual scaled down to the cap
+        learner.set_reach(probe_reach)
+        gain = torch.where(episode_probe, 1.0, reach / probe_reach) if probe_reach > reach else None
         obs_features = features(obs)  # once per step: for the actor now, and for the replay
         residual = (torch.zeros_like(base) if phase == WARMUP
                     else learner.explore(obs_features, base.to(device), gain).to(base.device))
@@ -477,5 +479,6 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
                **takeover.metrics()}
         if loop.log(row):
             takeover.window_logged()
+        learner.set_reach(reach)  # what an evaluation or a checkpoint at this boundary acts with
         loop.boundary(loop_state)
     return loop.finish(loop_state())

@@ -102,8 +102,9 @@ class EarnedReach:
     Counts are summed over ranks, so every rank holds the same cap and the same cohorts.
 
     With `probe`, a share of the episodes (the probe arm: the caller picks them, e.g. every other
-    env) explore one REACH_STEP past the cap (`probe_cap`) while the rest (the held arm) and every
-    evaluation keep the cap. Since the cap last moved, the completed cohorts' probe and held
+    env) act one REACH_STEP past the cap (`probe_cap`) while the rest (the held arm) and every
+    evaluation keep the cap (residual_offpolicy: the actor learns at the probe's reach, the held arm
+    acts with its residual scaled down to the cap). Since the cap last moved, the completed cohorts' probe and held
     episodes are summed, and the cap grows when the probe arm's success beats the held arm's by two
     standard errors of the difference. Why: at a high start a gain is a few points, which the
     baseline's ~60 critic-only episodes cannot resolve (two standard errors at 0.88: 8 points), so

@@ -41,14 +41,14 @@ def test_a_ramped_learner_bounds_its_residual_and_saves_the_bound():
     residual = learner.actor(torch.zeros(4, 3), torch.zeros(4, 2))
     assert torch.allclose(residual, torch.full((4, 2), 0.1 * algo.residual_scale))
     assert learner.config["residual_scale"] == 0.1 * algo.residual_scale  # agent.json acts with this bound
-    # EarnedReach's probe arm: the same actor, its residual stretched to the probe's reach (noise off)
+    # EarnedReach's held arm: the same actor, its residual scaled down to the held reach (noise off)
     quiet = ResidualOffPolicyLearner(dataclasses.replace(algo, exploration_noise=0.0), obs_dim=3, action_dim=2,
                                      device=torch.device("cpu"), seed=0)
     with torch.no_grad():
         quiet.actor.trunk[-1].bias.fill_(10.0)
     quiet.set_reach(0.1)
-    probed = quiet.explore(torch.zeros(4, 3), torch.zeros(4, 2), torch.tensor([1.0, 2.0, 1.0, 2.0]))
-    assert torch.allclose(probed[1::2], 2 * residual[1::2]) and torch.allclose(probed[::2], residual[::2])
+    held = quiet.explore(torch.zeros(4, 3), torch.zeros(4, 2), torch.tensor([0.5, 1.0, 0.5, 1.0]))
+    assert torch.allclose(held[::2], 0.5 * residual[::2]) and torch.allclose(held[1::2], residual[1::2])
 
 
 def test_a_ramped_td3_learner_explores_at_the_full_scale():
