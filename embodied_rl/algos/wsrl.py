@@ -104,9 +104,9 @@ class EarnedReach:
     With `probe`, a share of the episodes (the probe arm: the caller picks them, e.g. every other
     env) act one REACH_STEP past the cap (`probe_cap`) while the rest (the held arm) and every
     evaluation keep the cap (residual_offpolicy: the actor learns at the probe's reach, the held arm
-    acts with its residual scaled down to the cap). Since the cap last moved, the completed cohorts' probe and held
-    episodes are summed, and the cap grows when the probe arm's success beats the held arm's by two
-    standard errors of the difference. Why: at a high start a gain is a few points, which the
+    acts with its residual scaled down to the cap). Since the cap last moved, the completed cohorts'
+    probe and held episodes are summed, and the cap grows when the probe arm's success beats the held
+    arm's by two standard errors of the difference. Why: at a high start a gain is a few points, which the
     baseline's ~60 critic-only episodes cannot resolve (two standard errors at 0.88: 8 points), so
     the held arm alone earns nothing even where a larger reach helps (Meta-World door-open: .88 held
     at 0.1 action units, .99 at 0.2); two arms that run side by side both keep growing, and the
@@ -180,7 +180,8 @@ class EarnedReach:
             self.cohorts[self.open_cohort] = [0.0] * 6
         oldest = min(self.cohorts)
         while oldest != self.open_cohort and self._complete(self.cohorts[oldest]):
-            self._verdict(*self.cohorts.pop(oldest))
+            held_successes, held_n, _, probe_successes, probe_n, _ = self.cohorts.pop(oldest)
+            self._verdict(held_successes, held_n, probe_successes, probe_n)
             oldest = min(self.cohorts)
 
     def probe_metrics(self) -> dict[str, float]:
@@ -194,8 +195,7 @@ class EarnedReach:
     def _complete(cohort: list[float]) -> bool:
         return cohort[1] >= cohort[2] and cohort[4] >= cohort[5]
 
-    def _verdict(self, held_successes: float, held_n: float, _held_started: float,
-                 probe_successes: float, probe_n: float, _probe_started: float) -> None:
+    def _verdict(self, held_successes: float, held_n: float, probe_successes: float, probe_n: float) -> None:
         if self.baseline is None:  # no critic-only phase: the first cohort is the baseline
             self.baseline_counts = [held_successes + probe_successes, held_n + probe_n]
             return
