@@ -64,6 +64,16 @@ def test_pretrain_and_eval_with_a_video(policy, demos, capsys):
     assert (out / info["per_episode"][0]["video"]).stat().st_size > 0
 
 
+def success_cohorts(run_dir):
+    """The tags of the cohorts under way in the last checkpoint's EarnedReach (residual TD3's reach,
+    residual PPO's anchor release); None for a method without one."""
+    import torch
+
+    loop = torch.load(run_dir / "checkpoints" / "last" / "training_state" / "state.pt", weights_only=False)["loop"]
+    earned = loop.get("earned_reach") or loop.get("earned_anchor")
+    return None if earned is None else set(earned["cohorts"])
+
+
 @pytest.mark.parametrize("algo", list(FINETUNE))
 def test_finetune_resume_and_eval(algo, demos, capsys):
     bc = demos / "bc_finetune"
@@ -75,9 +85,12 @@ def test_finetune_resume_and_eval(algo, demos, capsys):
               "eval_episodes=2", "videos=0", "checkpoint_every=16", f"run_dir={run_dir}"]
     assert main(["finetune", *common, "env_steps=32"]) == 0, capsys.readouterr().err
     capsys.readouterr()
+    stopped = success_cohorts(run_dir)
     # EnvPool cannot snapshot its envs: the resumed run restarts its episodes and says so
     assert main(["finetune", *common, "env_steps=64"]) == 0, capsys.readouterr().err
     assert "episodes in progress restart" in capsys.readouterr().out
+    if stopped is not None:  # the cohorts of the lost episodes are dropped: they could never complete
+        assert min(success_cohorts(run_dir)) > max(stopped)
     assert main(["eval", f"checkpoint={run_dir}", *TASK, "episodes=2", "num_envs=2",
                  "videos=0", f"run_dir={demos / ('eval_' + algo)}"]) == 0, capsys.readouterr().err
 

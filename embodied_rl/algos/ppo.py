@@ -337,6 +337,8 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         obs, _ = henv.reset(seed=distributed.rank_seed(int(cfg.seed) + loop.env_steps))
         actor.reset(torch.ones(num_envs, dtype=torch.bool))
         if earned is not None:
+            if saved is not None:  # resumed: the episodes in progress are gone, and so are their cohorts
+                earned.drop_under_way()
             episode_regime[:] = starting_tag(num_envs)
     else:  # continue exactly where the checkpoint stopped: same env states, histories, queues
         env.set_state(saved["env"])

@@ -393,6 +393,8 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     if saved is None or saved["env"] is None:  # new episodes: a new run, or a backend without snapshots
         obs, _ = env.reset(seed=distributed.rank_seed(seed + loop.env_steps))
         base = queue.act(obs)
+        if saved is not None:  # resumed: the episodes in progress are gone, and so are their cohorts
+            earned.drop_under_way()
         episode_regime = torch.full((num_envs,), earned.start(warm_start.phase(loop.env_steps), num_envs))
         episode_probe = torch.zeros(num_envs, dtype=torch.bool)  # no probing before the full phase
     else:  # continue exactly where the checkpoint stopped

@@ -216,9 +216,17 @@ class EarnedReach:
                 if probed > held + _margin(held, counts[1], probed, counts[3]):
                     self.cap = self.probe_cap
         if self.cap != cap:  # the cohorts under way started under the old cap: they count for nothing
-            self.open_cohort = max(self.cohorts) + 1
-            self.cohorts = {self.open_cohort: [0.0] * 6}
+            self.drop_under_way()
             self.probe_counts = [0.0, 0.0, 0.0, 0.0]
+
+    def drop_under_way(self) -> None:
+        """The cohorts under way count for nothing; the episodes that start next open a new one. Also
+        for a run resumed on a backend that cannot snapshot its envs: the episodes in progress are
+        gone, so their cohorts would never complete (and never give a verdict again), and judging a
+        cohort on its ended episodes alone would favour the short ones, the successes."""
+        self.open_cohort = max(self.cohorts) + 1
+        self.cohorts = {self.open_cohort: [0.0] * 6}
+        self.started_here = [0, 0]
 
     def state_dict(self) -> dict[str, Any]:
         return {"cap": self.cap, "baseline": list(self.baseline_counts), "open_cohort": self.open_cohort,

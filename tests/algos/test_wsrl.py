@@ -159,6 +159,26 @@ def test_a_cap_that_moves_drops_the_cohorts_under_way_and_the_state_round_trips(
     assert (restored.cap, restored.baseline, restored.open_cohort) == (0.8, 0.6, 4)
 
 
+def test_a_resume_that_loses_the_episodes_in_progress_drops_their_cohorts_and_verdicts_go_on():
+    """EnvPool cannot snapshot its envs: a resumed run starts new episodes, and the ones in progress
+    at the checkpoint never end. Their cohort would wait for them forever (no verdict again), so
+    the resume drops the cohorts under way and the next cohorts are judged."""
+    earned = EarnedReach(free_reach=0.4, window=50)
+    baseline(earned, 60, 100)
+    stopped = earned.start(FULL, 50)
+    ended(earned, stopped, 40, 45)  # 5 episodes in progress at the checkpoint
+    resumed = EarnedReach(free_reach=0.4, window=50)
+    resumed.load_state_dict(earned.state_dict())
+    stuck = EarnedReach(free_reach=0.4, window=50)  # what a resume without the drop did
+    stuck.load_state_dict(earned.state_dict())
+    resumed.drop_under_way()
+    assert stopped not in resumed.cohorts
+    for learner in (resumed, stuck):
+        cohort(learner, 50)  # a clear gain over the baseline's 0.6
+    assert resumed.cap == pytest.approx(0.6)
+    assert stuck.cap == 0.4 and stopped in stuck.cohorts  # waits for episodes that will never end
+
+
 def test_a_solved_task_keeps_its_free_reach_and_without_a_critic_phase_the_first_cohort_is_the_baseline():
     solved = EarnedReach(free_reach=0.4, window=10)
     baseline(solved, 40, 40)
