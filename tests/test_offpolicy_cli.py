@@ -141,6 +141,7 @@ def test_bad_residual_config_exits_2(tmp_path, capsys, bc_checkpoint):
     ("residual_sac", "algo.high_start=1.5", "algo.high_start must be in [0, 1] or null"),
     ("residual_sac", "algo.high_start_free_reach=0", "algo.high_start_free_reach must be in (0, 1]"),
     ("residual_sac", "algo.high_start_probe=sometimes", "algo.high_start_probe"),
+    ("residual_sac", "algo.high_start_probe_steps=0", "algo.high_start_probe_steps must be an integer >= 1"),
 ])
 def test_a_bad_high_start_exits_2(tmp_path, capsys, bc_checkpoint, algo, override, message):
     assert main(finetune_args(algo, bc_checkpoint, tmp_path / "ft") + [override]) == 2

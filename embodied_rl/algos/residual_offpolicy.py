@@ -138,6 +138,7 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
     high_start: float | None   # a first evaluation (step 0) succeeding at least this often is a high start ...
     high_start_free_reach: float  # ... where only this fraction of the reach is free (high_start None: nowhere)
     high_start_probe: bool     # ... and half the envs probe one reach step past the cap (EarnedReach.probe)
+    high_start_probe_steps: int  # ... or this many reach steps past it
     reach_window: int          # training episodes per verdict of EarnedReach
     interventions: str         # none | expert
     intervention_trigger: str  # stall | random
@@ -173,6 +174,9 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
             ("high_start", self.high_start is None or 0 <= self.high_start <= 1, "in [0, 1] or null"),
             ("high_start_free_reach", 0 < self.high_start_free_reach <= 1, "in (0, 1]"),
             ("high_start_probe", isinstance(self.high_start_probe, bool), "true or false"),
+            ("high_start_probe_steps", isinstance(self.high_start_probe_steps, int)
+             and not isinstance(self.high_start_probe_steps, bool) and self.high_start_probe_steps >= 1,
+             "an integer >= 1"),
             ("reach_window", self.reach_window >= 1, ">= 1"),
             ("interventions", self.interventions in ("none", "expert"), "none or expert"),
             ("intervention_trigger", self.intervention_trigger in TRIGGERS, " or ".join(TRIGGERS)),
@@ -383,7 +387,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     elif algo.high_start is not None and loop.starts_high(algo.high_start):
         free_reach = min(free_reach, algo.high_start_free_reach)
         probing = algo.high_start_probe and free_reach < 1.0
-    earned = EarnedReach(free_reach, algo.reach_window, probe=probing)
+    earned = EarnedReach(free_reach, algo.reach_window, probe=probing, probe_steps=algo.high_start_probe_steps)
     probe_envs = (torch.arange(num_envs) % 2 == 1) & probing
     if saved is not None and "earned_reach" in saved:
         earned.load_state_dict(saved["earned_reach"])

@@ -102,11 +102,11 @@ class EarnedReach:
     Counts are summed over ranks, so every rank holds the same cap and the same cohorts.
 
     With `probe`, a share of the episodes (the probe arm: the caller picks them, e.g. every other
-    env) act one REACH_STEP past the cap (`probe_cap`) while the rest (the held arm) and every
+    env) act `probe_steps` REACH_STEPs (one by default) past the cap (`probe_cap`) while the rest (the held arm) and every
     evaluation keep the cap (residual_offpolicy: the actor learns at the probe's reach, the held arm
     acts with its residual scaled down to the cap). Since the cap last moved, the completed cohorts'
-    probe and held episodes are summed, and the cap grows when the probe arm's success beats the held
-    arm's by two standard errors of the difference. Why: at a high start a gain is a few points, which the
+    probe and held episodes are summed, and the cap grows to the probe's reach when the probe arm's
+    success beats the held arm's by two standard errors of the difference. Why: at a high start a gain is a few points, which the
     baseline's ~60 critic-only episodes cannot resolve (two standard errors at 0.88: 8 points), so
     the held arm alone earns nothing even where a larger reach helps (Meta-World door-open: .88 held
     at 0.1 action units, .99 at 0.2); two arms that run side by side both keep growing, and the
@@ -116,12 +116,13 @@ class EarnedReach:
     free_reach: float = 1.0
     window: int = 50
     probe: bool = False
+    probe_steps: int = 1  # how many REACH_STEPs past the cap the probe arm acts
 
     IGNORED, BASELINE = -1, 0  # tags: warm-up episodes count for nothing; critic-only ones are the baseline
 
     def __post_init__(self) -> None:
-        if not 0 < self.free_reach <= 1 or self.window < 1:
-            raise UserError("free_reach must be in (0, 1] and reach_window >= 1")
+        if not 0 < self.free_reach <= 1 or self.window < 1 or self.probe_steps < 1:
+            raise UserError("free_reach must be in (0, 1], reach_window >= 1 and probe_steps >= 1")
         self.cap = self.free_reach
         self.baseline_counts = [0.0, 0.0]  # [successes, episodes]
         self.open_cohort = 1  # the tag of full-phase episodes that start now (cohort tags count up from 1)
@@ -138,7 +139,7 @@ class EarnedReach:
     @property
     def probe_cap(self) -> float:
         """The reach the probe arm may use (the cap itself without probing, or at the full reach)."""
-        return min(1.0, self.cap + REACH_STEP) if self.probe else self.cap
+        return min(1.0, self.cap + self.probe_steps * REACH_STEP) if self.probe else self.cap
 
     def start(self, phase: str, episodes: int, probe_episodes: int = 0) -> int:
         """The tag of `episodes` held-arm and `probe_episodes` probe-arm episodes that start now on this rank."""

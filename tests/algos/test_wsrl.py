@@ -221,6 +221,15 @@ def test_a_probe_arm_that_beats_the_held_arm_earns_the_reach_the_baseline_cannot
     for _ in range(10):
         cohort(alone, 44, 50)
     assert alone.cap == pytest.approx(0.2) and alone.probe_cap == alone.cap
+    # a probe several steps past the cap: the cap grows to where the probe arm acted, the probe to the full reach
+    far = EarnedReach(free_reach=0.2, window=50, probe=True, probe_steps=3)
+    baseline(far, 53, 60)
+    assert far.probe_cap == pytest.approx(0.8)
+    arms(far, 22, 25)
+    arms(far, 22, 25)
+    assert far.cap == pytest.approx(0.8) and far.probe_cap == 1.0
+    with pytest.raises(UserError, match="probe_steps >= 1"):
+        EarnedReach(free_reach=0.2, probe=True, probe_steps=0)
 
 
 def test_a_probe_arm_no_better_than_the_held_arm_earns_nothing_and_harm_still_takes_reach_back():
