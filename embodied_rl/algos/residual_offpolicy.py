@@ -137,8 +137,8 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
     free_reach: float          # ... but past this fraction of it only as far as success earns (EarnedReach)
     high_start: float | None   # a first evaluation (step 0) succeeding at least this often is a high start ...
     high_start_free_reach: float  # ... where only this fraction of the reach is free (high_start None: nowhere)
-    high_start_probe: bool     # ... and half the envs probe one reach step past the cap (EarnedReach.probe)
-    high_start_probe_steps: int  # ... or this many reach steps past it
+    high_start_probe: bool     # ... and half the envs probe past the cap (EarnedReach.probe) ...
+    high_start_probe_steps: int  # ... by this many reach steps
     reach_window: int          # training episodes per verdict of EarnedReach
     interventions: str         # none | expert
     intervention_trigger: str  # stall | random
@@ -379,8 +379,8 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     loop.start(f"finetune {algo.name}", evaluate_start=algo.high_start is not None)
     # at a high start (the base policy's own first evaluation reaches algo.high_start) RL has more to
     # lose than to gain: less of the reach is free (docs/finetuning.md, "Do no harm")
-    # ... and a gain is too small for the baseline to resolve, so the odd envs probe one reach step
-    # past the cap beside the even ones (EarnedReach.probe); evaluations act at the cap
+    # ... and a gain is too small for the baseline to resolve, so the odd envs probe past the cap
+    # (algo.high_start_probe_steps reach steps) beside the even ones (EarnedReach.probe); evaluations act at the cap
     free_reach, probing = algo.free_reach, False
     if saved is not None:
         free_reach, probing = float(saved.get("free_reach", free_reach)), bool(saved.get("probing", False))

@@ -102,11 +102,12 @@ class EarnedReach:
     Counts are summed over ranks, so every rank holds the same cap and the same cohorts.
 
     With `probe`, a share of the episodes (the probe arm: the caller picks them, e.g. every other
-    env) act `probe_steps` REACH_STEPs (one by default) past the cap (`probe_cap`) while the rest (the held arm) and every
-    evaluation keep the cap (residual_offpolicy: the actor learns at the probe's reach, the held arm
-    acts with its residual scaled down to the cap). Since the cap last moved, the completed cohorts'
-    probe and held episodes are summed, and the cap grows to the probe's reach when the probe arm's
-    success beats the held arm's by two standard errors of the difference. Why: at a high start a gain is a few points, which the
+    env) act `probe_steps` REACH_STEPs (one by default) past the cap (`probe_cap`) while the rest
+    (the held arm) and every evaluation keep the cap (residual_offpolicy: the actor learns at the
+    probe's reach, the held arm acts with its residual scaled down to the cap). Since the cap last
+    moved, the completed cohorts' probe and held episodes are summed, and the cap grows to the probe's
+    reach when the probe arm's success beats the held arm's by two standard errors of the
+    difference. Why: at a high start a gain is a few points, which the
     baseline's ~60 critic-only episodes cannot resolve (two standard errors at 0.88: 8 points), so
     the held arm alone earns nothing even where a larger reach helps (Meta-World door-open: .88 held
     at 0.1 action units, .99 at 0.2); two arms that run side by side both keep growing, and the
