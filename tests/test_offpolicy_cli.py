@@ -101,6 +101,27 @@ def test_a_high_start_frees_less_reach_and_keeps_it_on_resume(tmp_path, bc_check
     assert probes == ({0.2 + 0.2} if high_start == 0.0 else {None})
 
 
+@pytest.mark.e2e
+def test_a_judged_high_start_trains_at_the_ramp_and_deploys_the_floor_until_evaluations_say_otherwise(
+        tmp_path, bc_checkpoint):
+    """algo.high_start_judged: no cap on training (every env at the ramp's reach), and from the evaluation where the
+    ramp passes the floor on, two evaluations per step; 4 paired episodes can never resolve a win (4 of 4: p .0625),
+    so every evaluation and checkpoint acts with the floor, also after a resume."""
+    run_dir = tmp_path / "ft"
+    rule = ["log_every=8", "algo.reach_ramp_steps=40", "algo.high_start=0.0", "algo.high_start_free_reach=0.2",
+            "algo.high_start_probe=false", "algo.high_start_judged=true", "eval_every=60"]
+    assert main([*finetune_args("residual_sac", bc_checkpoint, run_dir, env_steps=120), *rule]) == 0
+    assert main([*finetune_args("residual_sac", bc_checkpoint, run_dir, env_steps=240), *rule]) == 0
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {row["train/reach_cap"] for row in metrics if "train/reach_cap" in row} == {1.0}
+    judged = [row for row in metrics if "eval/deployed_reach" in row]
+    assert [row["step"] for row in judged] == [120, 180, 240]  # the ramp passes 0.2 of the scale at 88 env steps
+    assert all(row["eval/deployed_reach"] == 0.2 for row in judged)
+    for checkpoint in ("last", "best"):
+        agent = json.loads((run_dir / "checkpoints" / checkpoint / "agent.json").read_text())
+        assert agent["config"]["residual_scale"] == pytest.approx(0.2 * 0.5)
+
+
 @pytest.mark.parametrize("override, message", [
     ("algo.utd_ratio=0", "utd_ratio"),
     ("algo.noise_bound=0", "noise_bound"),
@@ -142,6 +163,7 @@ def test_bad_residual_config_exits_2(tmp_path, capsys, bc_checkpoint):
     ("residual_sac", "algo.high_start_free_reach=0", "algo.high_start_free_reach must be in (0, 1]"),
     ("residual_sac", "algo.high_start_probe=sometimes", "algo.high_start_probe"),
     ("residual_sac", "algo.high_start_probe_steps=0", "algo.high_start_probe_steps must be an integer >= 1"),
+    ("residual_sac", "algo.high_start_judged=true", "true needs algo.high_start_probe=false"),
 ])
 def test_a_bad_high_start_exits_2(tmp_path, capsys, bc_checkpoint, algo, override, message):
     assert main(finetune_args(algo, bc_checkpoint, tmp_path / "ft") + [override]) == 2

@@ -145,4 +145,4 @@ class ChunkOffPolicy:
                         loop.check_finite(key, stats[key], stats)
             loop.log(stats)
             loop.boundary(self.state)
-        return loop.finish(self.state())
+        return loop.finish(self.state)

@@ -457,7 +457,8 @@ class EnvEvaluation:
             )
         return self.env
 
-    def __call__(self, step: int) -> tuple[dict[str, Any], dict[str, float]]:
+    def __call__(self, step: int, video_name: str | None = None) -> tuple[dict[str, Any], dict[str, float]]:
+        """`video_name`: the folder under videos/ (default step_<step>)."""
         from embodied_rl.eval import evaluate
 
         env = self._make_env()
@@ -465,7 +466,7 @@ class EnvEvaluation:
         info = evaluate(
             env, self.make_agent(env.num_envs), episodes=int(self.cfg.eval_episodes),
             seed=int(self.cfg.seed) + 12345, videos=videos,
-            video_dir=self.run.file("videos", f"step_{step}") if videos else None, progress=False,
+            video_dir=self.run.file("videos", video_name or f"step_{step}") if videos else None, progress=False,
         )
         overall = info["overall"]
         metrics = {"eval/return": overall["avg_sum_reward"], "eval/episode_length": overall["avg_episode_length"]}
@@ -926,18 +927,20 @@ class FinetuneLoop:
 
     # ---- end ----
 
-    def finish(self, loop_state: dict[str, Any]) -> dict[str, Any]:
-        """The last checkpoint, the final evaluation (unless one ran at this step) and the
-        headline: the evaluation's numbers, the count, checkpoints/last and, when the run has
-        one, the record of checkpoints/best (`best`, its path `best_checkpoint`)."""
+    def finish(self, loop_state: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """The final evaluation (unless one ran at this step), the last checkpoint (`loop_state()`
+        is called after the evaluation) and the headline: the evaluation's numbers, the count,
+        checkpoints/last and, when the run has one, the record of checkpoints/best (`best`, its
+        path `best_checkpoint`)."""
         if self.bar is not None:
             self.bar.close()
-        if self.saved_step != self.step:
-            self.save(loop_state)
         evaluator = self.evaluator
         info = evaluator.last_info
+        # evaluate first, as boundary() does: an evaluation may set what the checkpoint acts with
         if self.evaluates_ends and evaluator.last_step != self.step and distributed.is_main():
             info = self.evaluate(self.step, force=True)
+        if self.saved_step != self.step:
+            self.save(loop_state())
         evaluator.close()
         self.run.log(self.step, {"train/wall_s": evaluator.clock()["wall_s"]})
         headline = self.evaluation.headline(info) if info is not None else {}

@@ -566,7 +566,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
                 loop.check_finite(key, model.stats[key], model.stats)
         loop.log({**model.stats, "train/phase": {WARMUP: 0, CRITIC: 1, FULL: 2}[model.warm_start.phase(loop.env_steps)]})
         loop.boundary(loop_state)
-    return loop.finish(loop_state())
+    return loop.finish(loop_state)
 
 
 __all__ = ["AGENT_KIND", "DSRL", "DSRLConfig", "NoiseReplayBuffer", "finetune", "make_dsrl"]

@@ -531,4 +531,4 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         loop.log(log)
         loop.boundary(loop_state)
 
-    return loop.finish(loop_state())
+    return loop.finish(loop_state)

@@ -412,4 +412,4 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
                         "train/iteration_s": time.perf_counter() - iteration_start})
         loop.log(metrics)
         loop.boundary(loop_state)
-    return loop.finish(loop_state())
+    return loop.finish(loop_state)

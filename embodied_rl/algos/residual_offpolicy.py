@@ -73,7 +73,15 @@ from embodied_rl.algos.offpolicy import (
     polyak,
     random_pair_min,
 )
-from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, EarnedReach, WarmStart, visible_success
+from embodied_rl.algos.wsrl import (
+    CRITIC,
+    FULL,
+    WARMUP,
+    EarnedReach,
+    JudgedReach,
+    WarmStart,
+    visible_success,
+)
 from embodied_rl.errors import UserError
 from embodied_rl.policies import PolicyRunner
 from embodied_rl.policies.base import Obs
@@ -139,6 +147,7 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
     high_start_free_reach: float  # ... where only this fraction of the reach is free (high_start None: nowhere)
     high_start_probe: bool     # ... and half the envs probe past the cap (EarnedReach.probe) ...
     high_start_probe_steps: int  # ... by this many reach steps
+    high_start_judged: bool    # ... or: the actor trains at the ramp's reach, evaluations judge what acts (JudgedReach)
     reach_window: int          # training episodes per verdict of EarnedReach
     interventions: str         # none | expert
     intervention_trigger: str  # stall | random
@@ -177,6 +186,9 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
             ("high_start_probe_steps", isinstance(self.high_start_probe_steps, int)
              and not isinstance(self.high_start_probe_steps, bool) and self.high_start_probe_steps >= 1,
              "an integer >= 1"),
+            ("high_start_judged", isinstance(self.high_start_judged, bool)
+             and not (self.high_start_judged and self.high_start_probe),
+             "true or false (true needs algo.high_start_probe=false: one rule at a high start)"),
             ("reach_window", self.reach_window >= 1, ">= 1"),
             ("interventions", self.interventions in ("none", "expert"), "none or expert"),
             ("intervention_trigger", self.intervention_trigger in TRIGGERS, " or ".join(TRIGGERS)),
@@ -318,6 +330,51 @@ class ResidualOffPolicyLearner:
         self.updates = int(state["updates"])
 
 
+class JudgedEvaluation:
+    """The run's evaluation under JudgedReach (algos/wsrl.py): the actor is scored on the same
+    episodes at the floor and at the training reach (`train_reach`, which the loop keeps), the verdict sets the
+    deployed reach, and the deployed one's evaluation is the run's (videos of both, under
+    videos/step_<step>_reach_<r>). Without a verdict to give (no JudgedReach: not a high start;
+    or the ramp still below the floor) it is the plain evaluation at the learner's reach."""
+
+    def __init__(self, evaluation: EnvEvaluation, learner: ResidualOffPolicyLearner):
+        self.evaluation, self.learner = evaluation, learner
+        self.judged: JudgedReach | None = None
+        self.train_reach = 1.0
+
+    def __call__(self, step: int) -> tuple[dict[str, Any], dict[str, float]]:
+        if self.judged is None:
+            return self.evaluation(step)
+        train = self.train_reach
+        if train <= self.judged.floor:
+            return self.evaluation(step)
+        runs = {}
+        for name, reach in (("floor", self.judged.floor), ("train_reach", train)):
+            self.learner.set_reach(reach)
+            runs[name] = self.evaluation(step, f"step_{step}_reach_{reach:.2f}")
+        floor, trained = (_episode_successes(runs[name][0]) for name in ("floor", "train_reach"))
+        self.judged.judge(floor, trained)
+        deployed = self.judged.reach(train)
+        self.learner.set_reach(deployed)  # what the checkpoint of this step acts with
+        info, metrics = runs["train_reach" if self.judged.promoted else "floor"]
+        return info, {**metrics, "eval/floor_success_rate": sum(floor) / len(floor),
+                      "eval/train_reach_success_rate": sum(trained) / len(trained), "eval/deployed_reach": deployed}
+
+    def record(self, info: dict[str, Any]) -> dict[str, Any]:
+        return self.evaluation.record(info)
+
+    def headline(self, info: dict[str, Any]) -> dict[str, Any]:
+        return self.evaluation.headline(info)
+
+    def close(self) -> None:
+        self.evaluation.close()
+
+
+def _episode_successes(info: dict[str, Any]) -> list[bool]:
+    """Per episode, in episode order (the same initial states at the same index across evaluations)."""
+    return [bool(e["success"]) for e in sorted(info["per_episode"], key=lambda e: e["episode"])]
+
+
 # --------------------------------------------------------------------------------------------
 # embodied-rl finetune algo=residual_offpolicy
 # --------------------------------------------------------------------------------------------
@@ -374,19 +431,27 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     def make_agent(n: int) -> ResidualAgent:
         return ResidualAgent(learner.actor, policy, n, algo.normalize_obs)
 
-    loop = FinetuneLoop(cfg, run, EnvEvaluation(cfg, run, make_agent, policy.env_options()))
+    evaluation = JudgedEvaluation(EnvEvaluation(cfg, run, make_agent, policy.env_options()), learner)
+    loop = FinetuneLoop(cfg, run, evaluation)
     saved = loop.resume({"learner": learner}, learner.optimizers(), write_agent)
     loop.start(f"finetune {algo.name}", evaluate_start=algo.high_start is not None)
     # at a high start (the base policy's own first evaluation reaches algo.high_start) RL has more to
     # lose than to gain: less of the reach is free (docs/finetuning.md, "Do no harm")
     # ... and a gain is too small for the baseline to resolve, so the odd envs probe past the cap
     # (algo.high_start_probe_steps reach steps) beside the even ones (EarnedReach.probe); evaluations act at the cap
-    free_reach, probing = algo.free_reach, False
+    # ... or every env trains at the ramp's reach and the evaluations judge what acts (JudgedReach)
+    free_reach, probing, judged = algo.free_reach, False, None
     if saved is not None:
         free_reach, probing = float(saved.get("free_reach", free_reach)), bool(saved.get("probing", False))
+        if saved.get("judged_reach") is not None:
+            judged = JudgedReach(0.0)
+            judged.load_state_dict(saved["judged_reach"])
     elif algo.high_start is not None and loop.starts_high(algo.high_start):
         free_reach = min(free_reach, algo.high_start_free_reach)
         probing = algo.high_start_probe and free_reach < 1.0
+        if algo.high_start_judged and free_reach < 1.0:
+            judged, free_reach = JudgedReach(free_reach), 1.0
+    evaluation.judged = judged
     earned = EarnedReach(free_reach, algo.reach_window, probe=probing, probe_steps=algo.high_start_probe_steps)
     probe_envs = (torch.arange(num_envs) % 2 == 1) & probing
     if saved is not None and "earned_reach" in saved:
@@ -423,6 +488,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
                 "replay": {"online": replay.state_dict(), "intervened": intervened.state_dict()},
                 "earned_reach": earned.state_dict(), "episode_regime": episode_regime, "free_reach": free_reach,
                 "probing": probing, "episode_probe": episode_probe,
+                "judged_reach": judged.state_dict() if judged is not None else None,
                 **takeover.state_dict(), **({"shaping": shaping.state()} if shaping is not None else {})}
 
     while loop.env_steps < loop.total_env_steps:
@@ -485,6 +551,8 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
                **takeover.metrics()}
         if loop.log(row):
             takeover.window_logged()
-        learner.set_reach(reach)  # what an evaluation or a checkpoint at this boundary acts with
+        # what an evaluation or a checkpoint at this boundary acts with
+        learner.set_reach(judged.reach(reach) if judged is not None else reach)
+        evaluation.train_reach = reach
         loop.boundary(loop_state)
-    return loop.finish(loop_state())
+    return loop.finish(loop_state)

@@ -24,6 +24,7 @@ collapsing in the first online updates; ResFiT and DSRL use the same idea.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,6 +250,55 @@ class EarnedReach:
         self.cohorts = {int(tag): (list(counts) + [0.0] * 6)[:6] for tag, counts in state["cohorts"].items()}
         started = state["started_here"]
         self.started_here = [int(started), 0] if isinstance(started, (int, float)) else [int(n) for n in started]
+
+
+@dataclass
+class JudgedReach:
+    """At a high start: what evaluations and checkpoints act with, while the actor trains at the ramp's reach.
+
+    Every training env acts at the ramp's reach (no cap: the actor learns from data at the reach it
+    is trained for), and every periodic evaluation scores the actor twice on the same episodes: at
+    `floor` (its residual scaled down to that fraction of the scale) and at the training reach. The
+    deployed reach (what the evaluation reports, what the checkpoint of that step and every agent
+    file act with) is the floor until the training reach wins a paired sign test: among the
+    episodes where exactly one of the two succeeded, the training reach's wins are too many for a
+    fair coin (one-sided p < `alpha`); it falls back to the floor when the floor wins the same test.
+    Why paired: at a high start a gain is a few points, which two independent samples of 100
+    episodes cannot resolve (two standard errors at .88 vs .96: 7.7 points), while on the same
+    initial states only the episodes the reach changes count (Meta-World door-open at 50k: 5 of 5
+    such episodes won by the full reach, p = .031). Why deployed only: an actor trained at a reach
+    only part of the envs act with does not learn there (door-open: .84 at the full reach with
+    half the envs at it, .96 with all). The evaluation reported is the deployed one's, chosen after
+    both ran: the checkpoint of that step acts with it, so the number and the checkpoint agree."""
+
+    floor: float
+    alpha: float = 0.05
+    promoted: bool = False
+
+    def reach(self, train_reach: float) -> float:
+        """The deployed reach, given the reach the actor trains at."""
+        return train_reach if self.promoted else min(train_reach, self.floor)
+
+    def judge(self, floor_successes: list[bool], train_successes: list[bool]) -> None:
+        """One evaluation's paired episodes (the same initial states, in order) move the deployed reach."""
+        train_wins = sum(1 for f, t in zip(floor_successes, train_successes) if t and not f)
+        floor_wins = sum(1 for f, t in zip(floor_successes, train_successes) if f and not t)
+        if not self.promoted and sign_test(train_wins, floor_wins) < self.alpha:
+            self.promoted = True
+        elif self.promoted and sign_test(floor_wins, train_wins) < self.alpha:
+            self.promoted = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"floor": self.floor, "alpha": self.alpha, "promoted": self.promoted}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.floor, self.alpha, self.promoted = float(state["floor"]), float(state["alpha"]), bool(state["promoted"])
+
+
+def sign_test(wins: int, losses: int) -> float:
+    """One-sided p-value of `wins` or more among wins + losses fair coin flips (1 with none)."""
+    flips = wins + losses
+    return sum(math.comb(flips, k) for k in range(wins, flips + 1)) / 2 ** flips
 
 
 def _margin(rate_a: float, n_a: float, rate_b: float, n_b: float) -> float:

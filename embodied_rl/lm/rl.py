@@ -418,7 +418,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
             if loop.log(window_mean(window), force=loop.step == loop.total):
                 window = []
             loop.boundary(loop_state)
-        result = loop.finish(loop_state())
+        result = loop.finish(loop_state)
         train_s = time.perf_counter() - start
         write_rl_report(run, task.name, config.algo, evaluation.before, loop.evaluator.last_info)
     finally:

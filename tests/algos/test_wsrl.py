@@ -298,3 +298,66 @@ def test_earned_reach_counts_the_success_the_learner_may_see():
     assert visible_success({"episode": episode}).tolist() == [True, True, False, True]
     learned = {**episode, "learned_success_once": torch.tensor([False, True, False, False])}  # reward=model:PATH
     assert visible_success({"episode": learned}).tolist() == [False, True, False, False]
+
+
+def test_the_sign_test_is_one_sided_over_the_discordant_pairs():
+    from embodied_rl.algos.wsrl import sign_test
+
+    assert sign_test(5, 0) == pytest.approx(1 / 32)
+    assert sign_test(4, 0) == pytest.approx(1 / 16)  # four of four is not enough at 0.05
+    assert sign_test(7, 1) == pytest.approx(9 / 256)
+    assert sign_test(0, 0) == 1.0
+    assert sign_test(0, 3) == 1.0
+
+
+def test_judged_reach_deploys_the_training_reach_only_on_a_paired_win_and_gives_it_back_on_a_loss():
+    from embodied_rl.algos.wsrl import JudgedReach
+
+    judged = JudgedReach(0.2)
+    assert judged.reach(0.1) == 0.1 and judged.reach(0.8) == 0.2  # below the floor the ramp is what acts
+    # 95 vs 91 of 100 (4 discordant, all the training reach's): not resolved, the floor stays deployed
+    floor = [True] * 91 + [False] * 9
+    judged.judge(floor, [True] * 95 + [False] * 5)
+    assert not judged.promoted
+    # the same rates apart, counted only where one of the two failed: 5 of 5 is
+    judged.judge(floor, [True] * 96 + [False] * 4)
+    assert judged.promoted and judged.reach(0.8) == 0.8
+    # ... and two episodes the training reach loses among six discordant do not take it back; 6 of 6 do
+    judged.judge([True] * 96 + [False] * 4, [True] * 94 + [False] * 2 + [True] * 2 + [False] * 2)
+    assert judged.promoted
+    judged.judge([True] * 100, [True] * 94 + [False] * 6)
+    assert not judged.promoted and judged.reach(0.8) == 0.2
+    restored = JudgedReach(0.0)
+    restored.load_state_dict(judged.state_dict())
+    assert restored == judged
+
+
+def test_the_judged_evaluation_reports_and_checkpoints_the_deployed_reach():
+    """Two evaluations on the same episodes (floor, then training reach); the learner is left at the deployed
+    reach, and the evaluation returned is the deployed one's."""
+    from embodied_rl.algos.residual_offpolicy import JudgedEvaluation
+    from embodied_rl.algos.wsrl import JudgedReach
+
+    class Learner:
+        reach = 0.1
+
+        def set_reach(self, fraction):
+            self.reach = fraction
+
+    learner, calls = Learner(), []
+
+    def evaluation(step, video_name=None):  # the training reach succeeds on 5 more episodes of 20
+        calls.append((learner.reach, video_name))
+        wins = 20 if learner.reach > 0.5 else 15
+        episodes = [{"episode": k, "success": k < wins} for k in reversed(range(20))]
+        return {"per_episode": episodes, "reach": learner.reach}, {"eval/success_rate": wins / 20}
+
+    judged_evaluation = JudgedEvaluation(evaluation, learner)
+    judged_evaluation.train_reach = 0.8
+    info, metrics = judged_evaluation(10)  # not a high start: the plain evaluation
+    assert calls == [(0.1, None)]
+    judged_evaluation.judged = JudgedReach(0.2)
+    info, metrics = judged_evaluation(20)
+    assert calls[1:] == [(0.2, "step_20_reach_0.20"), (0.8, "step_20_reach_0.80")]
+    assert info["reach"] == 0.8 and learner.reach == 0.8 and metrics["eval/deployed_reach"] == 0.8
+    assert metrics["eval/floor_success_rate"] == 0.75 and metrics["eval/train_reach_success_rate"] == 1.0
