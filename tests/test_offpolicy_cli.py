@@ -80,13 +80,13 @@ def test_resume_continues_the_run(tmp_path, bc_checkpoint, algo):
 @pytest.mark.e2e
 @pytest.mark.parametrize("high_start", [0.0, 1.0])
 def test_a_high_start_frees_less_reach_and_keeps_it_on_resume(tmp_path, bc_checkpoint, high_start):
-    """high_start: where the step-0 evaluation succeeds at least that often (any success >= 0; the
-    untrained tiny policy's < 1) the reach cap starts at high_start_free_reach, else at free_reach;
+    """high_start without judging: where the step-0 evaluation succeeds at least that often (any success >= 0;
+    the untrained tiny policy's < 1) the reach cap starts at high_start_free_reach, else at free_reach;
     a resumed run keeps the first part's choice (the same eval_every=0 run without the rule would not
     evaluate at all; with it step 0 and the end are evaluated)."""
     run_dir = tmp_path / "ft"
     rule = ["eval_every=0", "log_every=8", "algo.reach_ramp_steps=40", "algo.free_reach=0.4", "algo.high_start_free_reach=0.2",
-            f"algo.high_start={high_start}"]
+            f"algo.high_start={high_start}", "algo.high_start_judged=false"]
     assert main([*finetune_args("residual_sac", bc_checkpoint, run_dir, env_steps=120), *rule]) == 0
     assert main([*finetune_args("residual_sac", bc_checkpoint, run_dir, env_steps=240), *rule]) == 0
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -96,20 +96,17 @@ def test_a_high_start_frees_less_reach_and_keeps_it_on_resume(tmp_path, bc_check
     assert caps == {0.2 if high_start == 0.0 else 0.4}
     resumed = [row["train/reach_cap"] for row in metrics if "train/reach_cap" in row and row["step"] > 120]
     assert set(resumed) == caps  # no cohort of 50 episodes ends this soon: the cap is the first part's
-    # at a high start the odd envs probe one reach step past the cap (algo.high_start_probe), resumed too
-    probes = {row.get("train/reach_probe") for row in metrics if "train/reach_cap" in row}
-    assert probes == ({0.2 + 0.2} if high_start == 0.0 else {None})
 
 
 @pytest.mark.e2e
 def test_a_judged_high_start_trains_at_the_ramp_and_deploys_the_floor_until_evaluations_say_otherwise(
         tmp_path, bc_checkpoint):
-    """algo.high_start_judged: no cap on training (every env at the ramp's reach), and from the evaluation where the
+    """At a high start (algo.high_start_judged, the default): no cap on training (every env at the ramp's reach), and from the evaluation where the
     ramp passes the floor on, two evaluations per step; 4 paired episodes can never resolve a win (4 of 4: p .0625),
     so every evaluation and checkpoint acts with the floor, also after a resume."""
     run_dir = tmp_path / "ft"
     rule = ["log_every=8", "algo.reach_ramp_steps=40", "algo.high_start=0.0", "algo.high_start_free_reach=0.2",
-            "algo.high_start_probe=false", "algo.high_start_judged=true", "eval_every=60"]
+            "eval_every=60"]
     assert main([*finetune_args("residual_sac", bc_checkpoint, run_dir, env_steps=120), *rule]) == 0
     assert main([*finetune_args("residual_sac", bc_checkpoint, run_dir, env_steps=240), *rule]) == 0
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -161,9 +158,7 @@ def test_bad_residual_config_exits_2(tmp_path, capsys, bc_checkpoint):
 @pytest.mark.parametrize("algo, override, message", [
     ("residual_sac", "algo.high_start=1.5", "algo.high_start must be in [0, 1] or null"),
     ("residual_sac", "algo.high_start_free_reach=0", "algo.high_start_free_reach must be in (0, 1]"),
-    ("residual_sac", "algo.high_start_probe=sometimes", "algo.high_start_probe"),
-    ("residual_sac", "algo.high_start_probe_steps=0", "algo.high_start_probe_steps must be an integer >= 1"),
-    ("residual_sac", "algo.high_start_judged=true", "true needs algo.high_start_probe=false"),
+    ("residual_sac", "algo.high_start_judged=sometimes", "algo.high_start_judged"),
 ])
 def test_a_bad_high_start_exits_2(tmp_path, capsys, bc_checkpoint, algo, override, message):
     assert main(finetune_args(algo, bc_checkpoint, tmp_path / "ft") + [override]) == 2

@@ -145,9 +145,7 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
     free_reach: float          # ... but past this fraction of it only as far as success earns (EarnedReach)
     high_start: float | None   # a first evaluation (step 0) succeeding at least this often is a high start ...
     high_start_free_reach: float  # ... where only this fraction of the reach is free (high_start None: nowhere)
-    high_start_probe: bool     # ... and half the envs probe past the cap (EarnedReach.probe) ...
-    high_start_probe_steps: int  # ... by this many reach steps
-    high_start_judged: bool    # ... or: the actor trains at the ramp's reach, evaluations judge what acts (JudgedReach)
+    high_start_judged: bool    # ... and the actor trains at the ramp's reach while evaluations judge what acts (JudgedReach)
     reach_window: int          # training episodes per verdict of EarnedReach
     interventions: str         # none | expert
     intervention_trigger: str  # stall | random
@@ -182,13 +180,7 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
             ("free_reach", 0 < self.free_reach <= 1, "in (0, 1] (1: the ramp alone)"),
             ("high_start", self.high_start is None or 0 <= self.high_start <= 1, "in [0, 1] or null"),
             ("high_start_free_reach", 0 < self.high_start_free_reach <= 1, "in (0, 1]"),
-            ("high_start_probe", isinstance(self.high_start_probe, bool), "true or false"),
-            ("high_start_probe_steps", isinstance(self.high_start_probe_steps, int)
-             and not isinstance(self.high_start_probe_steps, bool) and self.high_start_probe_steps >= 1,
-             "an integer >= 1"),
-            ("high_start_judged", isinstance(self.high_start_judged, bool)
-             and not (self.high_start_judged and self.high_start_probe),
-             "true or false (true needs algo.high_start_probe=false: one rule at a high start)"),
+            ("high_start_judged", isinstance(self.high_start_judged, bool), "true or false"),
             ("reach_window", self.reach_window >= 1, ">= 1"),
             ("interventions", self.interventions in ("none", "expert"), "none or expert"),
             ("intervention_trigger", self.intervention_trigger in TRIGGERS, " or ".join(TRIGGERS)),
@@ -253,14 +245,10 @@ class ResidualOffPolicyLearner:
     def optimizers(self) -> dict[str, Any]:
         return {"actor": self.actor_optimizer, "critic": self.critic_optimizer, "alpha": self.alpha_optimizer}
 
-    def explore(self, obs: Tensor, base: Tensor, gain: Tensor | None = None) -> Tensor:
-        """Residual for data collection: SAC samples; TD3 adds Gaussian exploration noise. `gain`
-        (per env) scales the actor's residual before the noise: while EarnedReach probes, the actor
-        learns at the probe arm's reach and the held arm acts with it scaled down to the cap."""
+    def explore(self, obs: Tensor, base: Tensor) -> Tensor:
+        """Residual for data collection: SAC samples; TD3 adds Gaussian exploration noise."""
         with torch.no_grad():
             residual, _ = self.actor.sample(obs, base)
-            if gain is not None:
-                residual = residual * gain.to(residual.device)[:, None]
             if self.algo.learner == "td3":
                 full = float(self.algo.residual_scale)
                 noise = torch.randn_like(residual) * float(self.algo.exploration_noise) * full * self.actor.dims
@@ -436,24 +424,21 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     saved = loop.resume({"learner": learner}, learner.optimizers(), write_agent)
     loop.start(f"finetune {algo.name}", evaluate_start=algo.high_start is not None)
     # at a high start (the base policy's own first evaluation reaches algo.high_start) RL has more to
-    # lose than to gain: less of the reach is free (docs/finetuning.md, "Do no harm")
-    # ... and a gain is too small for the baseline to resolve, so the odd envs probe past the cap
-    # (algo.high_start_probe_steps reach steps) beside the even ones (EarnedReach.probe); evaluations act at the cap
-    # ... or every env trains at the ramp's reach and the evaluations judge what acts (JudgedReach)
-    free_reach, probing, judged = algo.free_reach, False, None
+    # lose than to gain (docs/finetuning.md, "Do no harm"): every env trains at the ramp's reach, and what
+    # evaluations and checkpoints act with is judged on paired evaluations (JudgedReach; algo.high_start_judged);
+    # without judging, less of the reach is free
+    free_reach, judged = algo.free_reach, None
     if saved is not None:
-        free_reach, probing = float(saved.get("free_reach", free_reach)), bool(saved.get("probing", False))
+        free_reach = float(saved.get("free_reach", free_reach))
         if saved.get("judged_reach") is not None:
             judged = JudgedReach(0.0)
             judged.load_state_dict(saved["judged_reach"])
     elif algo.high_start is not None and loop.starts_high(algo.high_start):
         free_reach = min(free_reach, algo.high_start_free_reach)
-        probing = algo.high_start_probe and free_reach < 1.0
         if algo.high_start_judged and free_reach < 1.0:
             judged, free_reach = JudgedReach(free_reach), 1.0
     evaluation.judged = judged
-    earned = EarnedReach(free_reach, algo.reach_window, probe=probing, probe_steps=algo.high_start_probe_steps)
-    probe_envs = (torch.arange(num_envs) % 2 == 1) & probing
+    earned = EarnedReach(free_reach, algo.reach_window)
     if saved is not None and "earned_reach" in saved:
         earned.load_state_dict(saved["earned_reach"])
     queue = PolicyRunner(policy, num_envs, seed=distributed.rank_seed(seed))
@@ -465,12 +450,10 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         if saved is not None:  # resumed: the episodes in progress are gone, and so are their cohorts
             earned.drop_under_way()
         episode_regime = torch.full((num_envs,), earned.start(warm_start.phase(loop.env_steps), num_envs))
-        episode_probe = torch.zeros(num_envs, dtype=torch.bool)  # no probing before the full phase
     else:  # continue exactly where the checkpoint stopped
         env.set_state(saved["env"])
         obs, base, window = saved["obs"], saved["base"], saved["window"]
         episode_regime = saved.get("episode_regime", torch.full((num_envs,), EarnedReach.IGNORED))
-        episode_probe = saved.get("episode_probe", torch.zeros(num_envs, dtype=torch.bool))
         queue.load_state_dict(saved["queue"])
         if shaping is not None:
             shaping.load_state(saved["shaping"])
@@ -487,31 +470,24 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
                 "demo_generator": demo_generator.get_state(), "pending_updates": budget.state_dict(),
                 "replay": {"online": replay.state_dict(), "intervened": intervened.state_dict()},
                 "earned_reach": earned.state_dict(), "episode_regime": episode_regime, "free_reach": free_reach,
-                "probing": probing, "episode_probe": episode_probe,
                 "judged_reach": judged.state_dict() if judged is not None else None,
                 **takeover.state_dict(), **({"shaping": shaping.state()} if shaping is not None else {})}
 
     while loop.env_steps < loop.total_env_steps:
         phase = warm_start.phase(loop.env_steps)
         reach = min(warm_start.reach(loop.env_steps), earned.cap)
-        probe_reach = min(warm_start.reach(loop.env_steps), earned.probe_cap)
-        # while probing, the actor learns at the probe arm's reach; the held arm, the evaluations and the
-        # checkpoints act with its residual scaled down to the cap
-        learner.set_reach(probe_reach)
-        gain = torch.where(episode_probe, 1.0, reach / probe_reach) if probe_reach > reach else None
+        learner.set_reach(reach)
         obs_features = features(obs)  # once per step: for the actor now, and for the replay
         residual = (torch.zeros_like(base) if phase == WARMUP
-                    else learner.explore(obs_features, base.to(device), gain).to(base.device))
+                    else learner.explore(obs_features, base.to(device)).to(base.device))
         action = takeover.act(obs, (base + residual).clamp(-1.0, 1.0))
         next_obs, reward, terminated, truncated, info = env.step(action)
         done = terminated | truncated
         takeover.after_step(reward, done, info)
         ended = info["_episode"].cpu()
-        earned.record(episode_regime[ended], visible_success(info)[ended], episode_probe[ended])
-        starting = done.cpu()  # the episodes that start at the next step; a probe env probes once its reach is larger
-        probe_starts = starting & probe_envs & (phase == FULL) & (probe_reach > reach)
-        episode_regime[starting] = earned.start(phase, int((starting & ~probe_starts).sum()), int(probe_starts.sum()))
-        episode_probe[starting] = probe_starts[starting]
+        earned.record(episode_regime[ended], visible_success(info)[ended])
+        starting = done.cpu()  # the episodes that start at the next step
+        episode_regime[starting] = earned.start(phase, int(starting.sum()))
         final_obs = where_obs(done, info["final_obs"], next_obs)
         bootstrap_base = queue.peek(final_obs, done)  # what the base policy would do at final_obs
         queue.reset(done.cpu())
@@ -547,7 +523,6 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
                         loop.check_finite(key, stats[key], stats)
 
         row = {**stats, "train/phase": {WARMUP: 0, CRITIC: 1, FULL: 2}[phase], "train/reach_cap": earned.cap,
-               **(earned.probe_metrics() if probing else {}),
                **takeover.metrics()}
         if loop.log(row):
             takeover.window_logged()

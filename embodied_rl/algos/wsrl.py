@@ -101,126 +101,74 @@ class EarnedReach:
     .96 held at 0.2), while a task far from solved needs the full reach (tabletop peg_insert: 0.5).
     Success, not the critic, decides which of the two a task is (docs/finetuning.md, "Do no harm").
     Counts are summed over ranks, so every rank holds the same cap and the same cohorts.
-
-    With `probe`, a share of the episodes (the probe arm: the caller picks them, e.g. every other
-    env) act `probe_steps` REACH_STEPs (one by default) past the cap (`probe_cap`) while the rest
-    (the held arm) and every evaluation keep the cap (residual_offpolicy: the actor learns at the
-    probe's reach, the held arm acts with its residual scaled down to the cap). Since the cap last
-    moved, the completed cohorts' probe and held episodes are summed, and the cap grows to the probe's
-    reach when the probe arm's success beats the held arm's by two standard errors of the
-    difference. Why: at a high start a gain is a few points, which the
-    baseline's ~60 critic-only episodes cannot resolve (two standard errors at 0.88: 8 points), so
-    the held arm alone earns nothing even where a larger reach helps (Meta-World door-open: .88 held
-    at 0.1 action units, .99 at 0.2); two arms that run side by side both keep growing, and the
-    probing costs no evaluation anything. The held arm still loses reach on harm against the baseline.
     """
 
     free_reach: float = 1.0
     window: int = 50
-    probe: bool = False
-    probe_steps: int = 1  # how many REACH_STEPs past the cap the probe arm acts
 
     IGNORED, BASELINE = -1, 0  # tags: warm-up episodes count for nothing; critic-only ones are the baseline
 
     def __post_init__(self) -> None:
-        if not 0 < self.free_reach <= 1 or self.window < 1 or self.probe_steps < 1:
-            raise UserError("free_reach must be in (0, 1], reach_window >= 1 and probe_steps >= 1")
+        if not 0 < self.free_reach <= 1 or self.window < 1:
+            raise UserError("free_reach must be in (0, 1] and reach_window >= 1")
         self.cap = self.free_reach
         self.baseline_counts = [0.0, 0.0]  # [successes, episodes]
         self.open_cohort = 1  # the tag of full-phase episodes that start now (cohort tags count up from 1)
-        # tag -> [successes, ended, started] of the held arm, then the same of the probe arm
-        self.cohorts: dict[int, list[float]] = {1: [0.0] * 6}
-        self.started_here = [0, 0]  # this rank's starts in the open cohort since the last record(): held, probe
-        self.probe_counts = [0.0, 0.0, 0.0, 0.0]  # since the cap last moved: held successes, episodes; probe's
+        self.cohorts: dict[int, list[float]] = {1: [0.0, 0.0, 0.0]}  # tag -> [successes, ended, started]
+        self.started_here = 0  # this rank's starts in the open cohort since the last record()
 
     @property
     def baseline(self) -> float | None:
         successes, episodes = self.baseline_counts
         return successes / episodes if episodes else None
 
-    @property
-    def probe_cap(self) -> float:
-        """The reach the probe arm may use (the cap itself without probing, or at the full reach)."""
-        return min(1.0, self.cap + self.probe_steps * REACH_STEP) if self.probe else self.cap
-
-    def start(self, phase: str, episodes: int, probe_episodes: int = 0) -> int:
-        """The tag of `episodes` held-arm and `probe_episodes` probe-arm episodes that start now on this rank."""
+    def start(self, phase: str, episodes: int) -> int:
+        """The tag of `episodes` episodes that start now on this rank."""
         if self.free_reach == 1.0 or phase == WARMUP:
             return self.IGNORED
         if phase == CRITIC:
             return self.BASELINE
-        self.started_here[0] += episodes
-        self.started_here[1] += probe_episodes
+        self.started_here += episodes
         return self.open_cohort
 
-    def record(self, tags: Tensor, successes: Tensor, probe: Tensor | None = None) -> None:
-        """Episodes that ended on this rank (their tags, successes and, with probing, whether each was
-        in the probe arm); complete cohorts move the cap. Called at every env step on every rank (the
-        counts are summed over ranks)."""
+    def record(self, tags: Tensor, successes: Tensor) -> None:
+        """Episodes that ended on this rank (their tags and successes); complete cohorts move the cap.
+        Called at every env step on every rank (the counts are summed over ranks)."""
         if self.free_reach == 1.0:
             return
         successes = successes.float()
-        probe = torch.zeros_like(successes, dtype=torch.bool) if probe is None else probe.bool()
-        rows = [[successes[tags == self.BASELINE].sum(), (tags == self.BASELINE).sum(), 0, 0]]
-        for tag in self.cohorts:
-            held, probed = (tags == tag) & ~probe, (tags == tag) & probe
-            rows.append([successes[held].sum(), held.sum(), successes[probed].sum(), probed.sum()])
-        rows.append([*self.started_here, 0, 0])
-        counts = distributed.all_sum(torch.tensor([[float(value) for value in row] for row in rows])).tolist()
-        self.started_here = [0, 0]
-        self.baseline_counts = [a + b for a, b in zip(self.baseline_counts, counts[0][:2])]
-        for (held_successes, held_ended, probe_successes, probe_ended), cohort in zip(counts[1:-1],
-                                                                                      self.cohorts.values()):
-            cohort[0] += held_successes
-            cohort[1] += held_ended
-            cohort[3] += probe_successes
-            cohort[4] += probe_ended
-        opened = self.cohorts[self.open_cohort]
-        opened[2] += counts[-1][0]
-        opened[5] += counts[-1][1]
-        if opened[2] + opened[5] >= self.window:  # full: the next episodes open a new cohort
+        rows = [[successes[tags == self.BASELINE].sum(), (tags == self.BASELINE).sum()]]
+        rows += [[successes[tags == tag].sum(), (tags == tag).sum()] for tag in self.cohorts]
+        counts = torch.tensor([[float(value) for value in row] for row in rows] + [[float(self.started_here), 0.0]])
+        counts = distributed.all_sum(counts).tolist()
+        self.started_here = 0
+        self.baseline_counts = [a + b for a, b in zip(self.baseline_counts, counts[0])]
+        for (done_successes, ended), cohort in zip(counts[1:-1], self.cohorts.values()):
+            cohort[0] += done_successes
+            cohort[1] += ended
+        self.cohorts[self.open_cohort][2] += counts[-1][0]
+        if self.cohorts[self.open_cohort][2] >= self.window:  # full: the next episodes open a new cohort
             self.open_cohort += 1
-            self.cohorts[self.open_cohort] = [0.0] * 6
+            self.cohorts[self.open_cohort] = [0.0, 0.0, 0.0]
         oldest = min(self.cohorts)
-        while oldest != self.open_cohort and self._complete(self.cohorts[oldest]):
-            held_successes, held_n, _, probe_successes, probe_n, _ = self.cohorts.pop(oldest)
-            self._verdict(held_successes, held_n, probe_successes, probe_n)
+        while oldest != self.open_cohort and self.cohorts[oldest][1] >= self.cohorts[oldest][2]:
+            done_successes, ended, _ = self.cohorts.pop(oldest)
+            self._verdict(done_successes / ended, ended)
             oldest = min(self.cohorts)
 
-    def probe_metrics(self) -> dict[str, float]:
-        """The probe arm's reach and, over the cohorts judged since the cap last moved, each arm's success."""
-        held_successes, held_n, probe_successes, probe_n = self.probe_counts
-        return {"train/reach_probe": self.probe_cap,
-                **({"train/reach_held_success": held_successes / held_n} if held_n else {}),
-                **({"train/reach_probe_success": probe_successes / probe_n} if probe_n else {})}
-
-    @staticmethod
-    def _complete(cohort: list[float]) -> bool:
-        return cohort[1] >= cohort[2] and cohort[4] >= cohort[5]
-
-    def _verdict(self, held_successes: float, held_n: float, probe_successes: float, probe_n: float) -> None:
+    def _verdict(self, rate: float, n: float) -> None:
         if self.baseline is None:  # no critic-only phase: the first cohort is the baseline
-            self.baseline_counts = [held_successes + probe_successes, held_n + probe_n]
+            self.baseline_counts = [rate * n, n]
             return
+        base = self.baseline
+        margin = _margin(base, self.baseline_counts[1], rate, n)
         cap = self.cap
-        if held_n:
-            rate, base = held_successes / held_n, self.baseline
-            margin = _margin(base, self.baseline_counts[1], rate, held_n)
-            if rate > base + margin and not self.probe:  # with probing, reach is earned by the probe arm alone
-                self.cap = min(1.0, self.cap + REACH_STEP)
-            elif rate < base - margin:
-                self.cap = max(FIRST_REACH, self.cap - REACH_STEP)
-        if self.cap == cap and probe_n:
-            counts = self.probe_counts
-            for index, value in enumerate((held_successes, held_n, probe_successes, probe_n)):
-                counts[index] += value
-            if counts[1]:
-                held, probed = counts[0] / counts[1], counts[2] / counts[3]
-                if probed > held + _margin(held, counts[1], probed, counts[3]):
-                    self.cap = self.probe_cap
+        if rate > base + margin:
+            self.cap = min(1.0, self.cap + REACH_STEP)
+        elif rate < base - margin:
+            self.cap = max(FIRST_REACH, self.cap - REACH_STEP)
         if self.cap != cap:  # the cohorts under way started under the old cap: they count for nothing
             self.drop_under_way()
-            self.probe_counts = [0.0, 0.0, 0.0, 0.0]
 
     def drop_under_way(self) -> None:
         """The cohorts under way count for nothing; the episodes that start next open a new one. Also
@@ -228,28 +176,27 @@ class EarnedReach:
         gone, so their cohorts would never complete (and never give a verdict again), and judging a
         cohort on its ended episodes alone would favour the short ones, the successes."""
         self.open_cohort = max(self.cohorts) + 1
-        self.cohorts = {self.open_cohort: [0.0] * 6}
-        self.started_here = [0, 0]
+        self.cohorts = {self.open_cohort: [0.0, 0.0, 0.0]}
+        self.started_here = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"cap": self.cap, "baseline": list(self.baseline_counts), "open_cohort": self.open_cohort,
-                "cohorts": {tag: list(counts) for tag, counts in self.cohorts.items()},
-                "started_here": list(self.started_here), "probe_counts": list(self.probe_counts)}
+                "cohorts": {tag: list(counts) for tag, counts in self.cohorts.items()}, "started_here": self.started_here}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.cap = float(state["cap"])
-        self.probe_counts = list(state.get("probe_counts", [0.0, 0.0, 0.0, 0.0]))
         if "cohorts" not in state:  # written before cohorts: its full-phase episodes under way count for nothing
             self.baseline_counts = list(state["counts"]["baseline"])
             self.open_cohort = int(state["full_regime"]) + 1
-            self.cohorts, self.started_here = {self.open_cohort: [0.0] * 6}, [0, 0]
+            self.cohorts, self.started_here = {self.open_cohort: [0.0, 0.0, 0.0]}, 0
             return
         self.baseline_counts = list(state["baseline"])
         self.open_cohort = int(state["open_cohort"])
-        # written before the probe arm: held-arm counts only
-        self.cohorts = {int(tag): (list(counts) + [0.0] * 6)[:6] for tag, counts in state["cohorts"].items()}
+        # written with two arms (probing at a high start: [held..., probe...]): the arms' counts summed
+        self.cohorts = {int(tag): [a + b for a, b in zip(counts[:3], (list(counts[3:]) + [0.0] * 3)[:3])]
+                        for tag, counts in state["cohorts"].items()}
         started = state["started_here"]
-        self.started_here = [int(started), 0] if isinstance(started, (int, float)) else [int(n) for n in started]
+        self.started_here = int(sum(started)) if isinstance(started, (list, tuple)) else int(started)
 
 
 @dataclass

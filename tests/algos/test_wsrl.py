@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -41,14 +39,6 @@ def test_a_ramped_learner_bounds_its_residual_and_saves_the_bound():
     residual = learner.actor(torch.zeros(4, 3), torch.zeros(4, 2))
     assert torch.allclose(residual, torch.full((4, 2), 0.1 * algo.residual_scale))
     assert learner.config["residual_scale"] == 0.1 * algo.residual_scale  # agent.json acts with this bound
-    # EarnedReach's held arm: the same actor, its residual scaled down to the held reach (noise off)
-    quiet = ResidualOffPolicyLearner(dataclasses.replace(algo, exploration_noise=0.0), obs_dim=3, action_dim=2,
-                                     device=torch.device("cpu"), seed=0)
-    with torch.no_grad():
-        quiet.actor.trunk[-1].bias.fill_(10.0)
-    quiet.set_reach(0.1)
-    held = quiet.explore(torch.zeros(4, 3), torch.zeros(4, 2), torch.tensor([0.5, 1.0, 0.5, 1.0]))
-    assert torch.allclose(held[::2], 0.5 * residual[::2]) and torch.allclose(held[1::2], residual[1::2])
 
 
 def test_a_ramped_td3_learner_explores_at_the_full_scale():
@@ -196,76 +186,29 @@ def test_a_solved_task_keeps_its_free_reach_and_without_a_critic_phase_the_first
     assert off.cap == 1.0 and off.baseline is None
 
 
-def arms(earned, held_successes, probe_successes, per_arm=25):
-    """A cohort of `per_arm` held-arm and `per_arm` probe-arm episodes starts, then ends."""
-    tag = earned.start(FULL, per_arm, per_arm)
-    successes = torch.cat([torch.arange(per_arm) < held_successes, torch.arange(per_arm) < probe_successes])
-    earned.record(torch.full((2 * per_arm,), tag), successes, torch.arange(2 * per_arm) >= per_arm)
-
-
-def test_a_probe_arm_that_beats_the_held_arm_earns_the_reach_the_baseline_cannot_resolve():
-    # a high start: baseline .88 on 60 episodes; held arm at .88, probe arm one step further at 1.0
-    earned = EarnedReach(free_reach=0.2, window=50, probe=True)
-    baseline(earned, 53, 60)
-    assert earned.probe_cap == pytest.approx(0.4)
-    arms(earned, 22, 25)  # one cohort: 22/25 against 25/25 lies within two standard errors
-    assert earned.cap == pytest.approx(0.2)
-    assert earned.probe_metrics() == {"train/reach_probe": pytest.approx(0.4), "train/reach_held_success": 0.88,
-                                      "train/reach_probe_success": 1.0}
-    arms(earned, 22, 25)  # summed since the cap last moved: 44/50 against 50/50 beats them
-    assert earned.cap == pytest.approx(0.4) and earned.probe_cap == pytest.approx(0.6)
-    assert earned.probe_counts == [0.0, 0.0, 0.0, 0.0]  # a new cap starts a new comparison
-    # the held arm alone, without probing, never earns it: .88 cannot beat a baseline of .88
+def test_at_a_high_start_the_baseline_cannot_resolve_a_gain_of_a_few_points():
+    """Why a high start judges on paired evaluations: training episodes at .88 never beat a baseline of .88 on 60
+    episodes, and .96 against it only within a margin of ~8 points."""
     alone = EarnedReach(free_reach=0.2, window=50)
     baseline(alone, 53, 60)
     for _ in range(10):
         cohort(alone, 44, 50)
-    assert alone.cap == pytest.approx(0.2) and alone.probe_cap == alone.cap
-    # a probe several steps past the cap: the cap grows to where the probe arm acted, the probe to the full reach
-    far = EarnedReach(free_reach=0.2, window=50, probe=True, probe_steps=3)
-    baseline(far, 53, 60)
-    assert far.probe_cap == pytest.approx(0.8)
-    arms(far, 22, 25)
-    arms(far, 22, 25)
-    assert far.cap == pytest.approx(0.8) and far.probe_cap == 1.0
-    with pytest.raises(UserError, match="probe_steps >= 1"):
-        EarnedReach(free_reach=0.2, probe=True, probe_steps=0)
+    assert alone.cap == pytest.approx(0.2)
+    cohort(alone, 48, 50)
+    assert alone.cap == pytest.approx(0.2)
 
 
-def test_a_probe_arm_no_better_than_the_held_arm_earns_nothing_and_harm_still_takes_reach_back():
-    earned = EarnedReach(free_reach=0.2, window=50, probe=True)
-    baseline(earned, 60, 60)
-    for _ in range(20):  # a solved task: both arms at 1.0, for as long as the run goes
-        arms(earned, 25, 25)
-    assert earned.cap == pytest.approx(0.2)
-    for _ in range(5):  # the probe arm worse: nothing moves
-        arms(earned, 25, 20)
-    assert earned.cap == pytest.approx(0.2)
-    arms(earned, 15, 25)  # the held arm falls below the baseline: reach is taken back
-    assert earned.cap == pytest.approx(FIRST_REACH)
-    # equal arms at .9 on 20 simulated seeds: two-standard-error verdicts summed over a run rarely grow
-    grown = 0
-    for seed in range(20):
-        rng = np.random.default_rng(seed)
-        run = EarnedReach(free_reach=0.2, window=50, probe=True)
-        baseline(run, 54, 60)
-        for _ in range(15):
-            arms(run, int(rng.binomial(25, 0.9)), int(rng.binomial(25, 0.9)))
-        grown += run.cap > 0.2
-    assert grown <= 3, grown
-
-
-def test_probe_counts_and_arms_round_trip_and_older_states_load():
-    earned = EarnedReach(free_reach=0.2, window=50, probe=True)
+def test_states_round_trip_and_states_with_two_arms_load_with_the_arms_summed():
+    earned = EarnedReach(free_reach=0.2, window=50)
     baseline(earned, 53, 60)
-    arms(earned, 22, 24)
-    earned.start(FULL, 3, 4)
-    restored = EarnedReach(free_reach=0.2, window=50, probe=True)
+    earned.start(FULL, 7)
+    restored = EarnedReach(free_reach=0.2, window=50)
     restored.load_state_dict(earned.state_dict())
-    assert restored.state_dict() == earned.state_dict() and restored.probe_counts[3] == 25
-    older = {"cap": 0.4, "baseline": [6.0, 10.0], "open_cohort": 2, "cohorts": {2: [1.0, 2.0, 3.0]}, "started_here": 1}
-    restored.load_state_dict(older)
-    assert restored.cohorts == {2: [1.0, 2.0, 3.0, 0.0, 0.0, 0.0]} and restored.started_here == [1, 0]
+    assert restored.state_dict() == earned.state_dict()
+    two_arms = {"cap": 0.4, "baseline": [6.0, 10.0], "open_cohort": 2, "cohorts": {2: [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]},
+                "started_here": [1, 2]}
+    restored.load_state_dict(two_arms)
+    assert restored.cohorts == {2: [5.0, 7.0, 9.0]} and restored.started_here == 3
 
 
 def test_negative_lengths_are_user_errors():
