@@ -16,6 +16,9 @@ BC that a full-reach start shows on tasks BC already solves).
 Beyond `free_reach`, the reach is earned (`EarnedReach`): the ramp may take the residual past
 that fraction of its scale only as far as the training episodes have shown it to help, and a
 window that shows harm takes reach back.
+At a high start (the base policy already succeeds most of the time) the training reach has no
+cap, and what evaluations and checkpoints act with is judged instead (`JudgedReach`): the floor
+until paired evaluations show the training reach ahead.
 
 Both lengths are in simulator env steps summed over all envs (the same clock as
 `cfg.env_steps`). WSRL (Zhou et al., 2024) showed that this keeps a pretrained policy from
