@@ -148,3 +148,30 @@ def test_finetune_prints_its_best_and_eval_of_it_scores_the_recorded_number(chec
     # a run directory stands for its checkpoints/last, and the headline says so
     assert main(["eval", f"checkpoint={run_dir}", "episodes=2", "videos=0", f"run_dir={tmp_path / 'eval_last'}"]) == 0
     assert f"checkpoint: {run_dir / 'checkpoints' / 'last'} (env step 160)" in capsys.readouterr().out
+
+
+def test_the_last_checkpoint_acts_with_what_the_final_evaluation_decided(tmp_path):
+    """finish evaluates before it writes the last checkpoint, as boundary does: an evaluation may set what the
+    agent acts with (residual TD3's judged reach), and checkpoints/last must agree with the number reported."""
+    run_dir = tmp_path / "run"
+    cfg = OmegaConf.create({"env_steps": 15, "checkpoint_every": 10, "log_every": 10, "save_replay": True,
+                            "eval_every": 10})
+    run = Run(run_dir, allow_existing=True)
+
+    class Deciding(Scores):
+        decided_at = None
+
+        def __call__(self, step):
+            self.decided_at = step
+            return super().__call__(step)
+
+    evaluation = Deciding(cfg, run, {0: 0.5, 15: 0.75})
+    loop = FinetuneLoop(cfg, run, evaluation)
+    loop.resume({}, {}, lambda directory: (directory / "agent.json").write_text(
+        json.dumps({"decided_at": evaluation.decided_at})))
+    loop.start("test")
+    loop.counters["env_steps"] = 15
+    headline = loop.finish(lambda: {})
+    assert headline["success_rate"] == 0.75
+    assert json.loads((run_dir / "checkpoints" / "last" / "agent.json").read_text()) == {"decided_at": 15}
+    run.close()
