@@ -236,7 +236,8 @@ def panel_figure(panels: dict[str, dict[str, list[list[tuple[int, float]]]]], ti
     for axes in list(grid.flat)[len(panels):]:
         axes.axis("off")
     grid.flat[0].legend(fontsize=6)
-    figure.suptitle(f"{title} (dashed: the base policy; shaded: {DIP_TOLERANCE * 100:.0f} points below it)", fontsize=9)
+    # two lines: a figure of one or two panels is narrower than the whole title
+    figure.suptitle(f"{title}\n(dashed: the base policy; shaded: {DIP_TOLERANCE * 100:.0f} points below it)", fontsize=9)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)
