@@ -331,10 +331,8 @@ class JudgedEvaluation:
         self.train_reach = 1.0
 
     def __call__(self, step: int) -> tuple[dict[str, Any], dict[str, float]]:
-        if self.judged is None:
-            return self.evaluation(step)
         train = self.train_reach
-        if train <= self.judged.floor:
+        if self.judged is None or train <= self.judged.floor:
             return self.evaluation(step)
         runs = {}
         for name, reach in (("floor", self.judged.floor), ("train_reach", train)):
