@@ -65,7 +65,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize("task", TASKS)
 def test_every_algorithm_fine_tunes_and_checkpoints_on_every_manipulation_task(task, checkpoints, tmp_path, capsys):
-    # eval_episodes=4: the residual learners evaluate their start and end even at eval_every=0 (algo.high_start)
+    # eval_episodes=4: the residual learners evaluate their start and end even at eval_every=0 (algo.floor_reach: the end is judged)
     common = [f"task={task}", f"checkpoint={checkpoints / task}", "num_envs=4", "eval_every=0", "eval_episodes=4",
               "videos=0", "algo.actor_kwargs.critic_hidden=16"]
     for algo, extra in ON_POLICY.items():

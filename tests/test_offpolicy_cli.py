@@ -78,39 +78,39 @@ def test_resume_continues_the_run(tmp_path, bc_checkpoint, algo):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("high_start", [0.0, 1.0])
-def test_a_high_start_frees_less_reach_and_keeps_it_on_resume(tmp_path, bc_checkpoint, high_start):
-    """high_start without judging: where the step-0 evaluation succeeds at least that often (any success >= 0;
-    the untrained tiny policy's < 1) the reach cap starts at high_start_free_reach, else at free_reach;
-    a resumed run keeps the first part's choice (the same eval_every=0 run without the rule would not
-    evaluate at all; with it step 0 and the end are evaluated)."""
+@pytest.mark.parametrize("floor_reach", [0.2, None])
+def test_judging_evaluates_the_start_and_judges_the_end_even_without_periodic_evaluations(
+        tmp_path, bc_checkpoint, floor_reach):
+    """eval_every=0: with judging (algo.floor_reach, the default) step 0 and the end are evaluated and
+    the end judged (else its checkpoint would act at the floor unjudged); without it nothing is evaluated and the
+    checkpoint acts at the training reach. Training follows the ramp either way."""
     run_dir = tmp_path / "ft"
-    rule = ["eval_every=0", "log_every=8", "algo.reach_ramp_steps=40", "algo.free_reach=0.4", "algo.high_start_free_reach=0.2",
-            f"algo.high_start={high_start}", "algo.high_start_judged=false"]
-    assert main([*finetune_args("residual_sac", bc_checkpoint, run_dir, env_steps=120), *rule]) == 0
-    assert main([*finetune_args("residual_sac", bc_checkpoint, run_dir, env_steps=240), *rule]) == 0
+    rule = ["eval_every=0", "log_every=8", "algo.reach_ramp_steps=40", f"algo.floor_reach={floor_reach or 'null'}"]
+    assert main([*finetune_args("residual_sac", bc_checkpoint, run_dir, env_steps=160), *rule]) == 0
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in metrics if "eval/success_rate" in row][0] == 0
-    assert metrics[0]["eval/success_rate"] < 1
-    caps = {row["train/reach_cap"] for row in metrics if "train/reach_cap" in row and row["step"] <= 120}
-    assert caps == {0.2 if high_start == 0.0 else 0.4}
-    resumed = [row["train/reach_cap"] for row in metrics if "train/reach_cap" in row and row["step"] > 120]
-    assert set(resumed) == caps  # no cohort of 50 episodes ends this soon: the cap is the first part's
+    evaluated = [row["step"] for row in metrics if "eval/success_rate" in row]
+    judged = [row["step"] for row in metrics if "eval/deployed_reach" in row]
+    assert max(row["train/reach"] for row in metrics if "train/reach" in row) == 1.0
+    agent = json.loads((run_dir / "checkpoints" / "last" / "agent.json").read_text())
+    if floor_reach is None:
+        assert evaluated == judged == [] and agent["config"]["residual_scale"] == pytest.approx(0.5)
+    else:  # 4 paired episodes never resolve a win (4 of 4: p .0625): the floor is deployed
+        assert evaluated == [0, 160] and judged == [160]
+        assert agent["config"]["residual_scale"] == pytest.approx(0.2 * 0.5)
 
 
 @pytest.mark.e2e
-def test_a_judged_high_start_trains_at_the_ramp_and_deploys_the_floor_until_evaluations_say_otherwise(
-        tmp_path, bc_checkpoint):
-    """At a high start (algo.high_start_judged, the default): no cap on training (every env at the ramp's reach), and from the evaluation where the
+def test_training_follows_the_ramp_and_the_floor_is_deployed_until_evaluations_say_otherwise(tmp_path, bc_checkpoint):
+    """The default rule: no cap on training (every env at the ramp's reach), and from the evaluation where the
     ramp passes the floor on, two evaluations per step; 4 paired episodes can never resolve a win (4 of 4: p .0625),
     so every evaluation and checkpoint acts with the floor, also after a resume."""
     run_dir = tmp_path / "ft"
-    rule = ["log_every=8", "algo.reach_ramp_steps=40", "algo.high_start=0.0", "algo.high_start_free_reach=0.2",
-            "eval_every=60"]
+    rule = ["log_every=8", "algo.reach_ramp_steps=40", "algo.floor_reach=0.2", "eval_every=60"]
     assert main([*finetune_args("residual_sac", bc_checkpoint, run_dir, env_steps=120), *rule]) == 0
     assert main([*finetune_args("residual_sac", bc_checkpoint, run_dir, env_steps=240), *rule]) == 0
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert {row["train/reach_cap"] for row in metrics if "train/reach_cap" in row} == {1.0}
+    reaches = [row["train/reach"] for row in metrics if "train/reach" in row and row["step"] > 80]
+    assert reaches == sorted(reaches) and reaches[-1] == 1.0
     judged = [row for row in metrics if "eval/deployed_reach" in row]
     assert [row["step"] for row in judged] == [120, 180, 240]  # the ramp passes 0.2 of the scale at 88 env steps
     assert all(row["eval/deployed_reach"] == 0.2 for row in judged)
@@ -156,11 +156,11 @@ def test_bad_residual_config_exits_2(tmp_path, capsys, bc_checkpoint):
 
 
 @pytest.mark.parametrize("algo, override, message", [
-    ("residual_sac", "algo.high_start=1.5", "algo.high_start must be in [0, 1] or null"),
-    ("residual_sac", "algo.high_start_free_reach=0", "algo.high_start_free_reach must be in (0, 1]"),
-    ("residual_sac", "algo.high_start_judged=sometimes", "algo.high_start_judged"),
+    ("residual_sac", "algo.floor_reach=1", "algo.floor_reach must be in (0, 1) or null"),
+    ("residual_sac", "algo.floor_reach=0", "algo.floor_reach must be in (0, 1) or null"),
+    ("residual_sac", "algo.high_start=0.8", "high_start"),  # the former rule's keys are refused, not ignored
 ])
-def test_a_bad_high_start_exits_2(tmp_path, capsys, bc_checkpoint, algo, override, message):
+def test_a_bad_floor_reach_exits_2(tmp_path, capsys, bc_checkpoint, algo, override, message):
     assert main(finetune_args(algo, bc_checkpoint, tmp_path / "ft") + [override]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1

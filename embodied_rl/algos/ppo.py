@@ -365,7 +365,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
 
     loop.start(f"finetune {algo.name}", evaluate_start=earned is not None and algo.high_start is not None)
     # the release is earned at a high start (the base policy's own first evaluation reaches algo.high_start):
-    # there RL has little to add and its noise much to take (docs/finetuning.md, "Do no harm")
+    # there RL has little to add and its noise much to take (docs/finetuning.md, "Conservative start of residual PPO")
     if earned is None:
         anchor_earned = False
     elif saved is not None:  # as the first part chose (a checkpoint from before the rule: whether it had the anchor)

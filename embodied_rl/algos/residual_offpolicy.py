@@ -77,10 +77,8 @@ from embodied_rl.algos.wsrl import (
     CRITIC,
     FULL,
     WARMUP,
-    EarnedReach,
     JudgedReach,
     WarmStart,
-    visible_success,
 )
 from embodied_rl.errors import UserError
 from embodied_rl.policies import PolicyRunner
@@ -142,11 +140,8 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
     warmup_env_steps: int
     critic_only_steps: int
     reach_ramp_steps: int      # the residual's bound grows to residual_scale over these env steps (algos/wsrl.py)
-    free_reach: float          # ... but past this fraction of it only as far as success earns (EarnedReach)
-    high_start: float | None   # a first evaluation (step 0) succeeding at least this often is a high start ...
-    high_start_free_reach: float  # ... where only this fraction of the reach is free (high_start None: nowhere)
-    high_start_judged: bool    # ... and the actor trains at the ramp's reach while evaluations judge what acts (JudgedReach)
-    reach_window: int          # training episodes per verdict of EarnedReach
+    floor_reach: float | None  # what evaluations and checkpoints act with until paired evaluations judge the
+                               # training reach better (JudgedReach); None: the training reach
     interventions: str         # none | expert
     intervention_trigger: str  # stall | random
     stall_steps: int
@@ -177,11 +172,7 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
             ("warmup_env_steps", self.warmup_env_steps >= 0, ">= 0"),
             ("critic_only_steps", self.critic_only_steps >= 0, ">= 0"),
             ("reach_ramp_steps", self.reach_ramp_steps >= 0, ">= 0"),
-            ("free_reach", 0 < self.free_reach <= 1, "in (0, 1] (1: the ramp alone)"),
-            ("high_start", self.high_start is None or 0 <= self.high_start <= 1, "in [0, 1] or null"),
-            ("high_start_free_reach", 0 < self.high_start_free_reach <= 1, "in (0, 1]"),
-            ("high_start_judged", isinstance(self.high_start_judged, bool), "true or false"),
-            ("reach_window", self.reach_window >= 1, ">= 1"),
+            ("floor_reach", self.floor_reach is None or 0 < self.floor_reach < 1, "in (0, 1) or null"),
             ("interventions", self.interventions in ("none", "expert"), "none or expert"),
             ("intervention_trigger", self.intervention_trigger in TRIGGERS, " or ".join(TRIGGERS)),
             ("stall_steps", self.stall_steps >= 1, ">= 1"),
@@ -322,7 +313,7 @@ class JudgedEvaluation:
     """The run's evaluation under JudgedReach (algos/wsrl.py): the actor is scored on the same
     episodes at the floor and at the training reach (`train_reach`, which the loop keeps), the verdict sets the
     deployed reach, and the deployed one's evaluation is the run's (videos of both, under
-    videos/step_<step>_reach_<r>). Without a verdict to give (no JudgedReach: not a high start;
+    videos/step_<step>_reach_<r>). Without a verdict to give (no JudgedReach: algo.floor_reach null;
     or the ramp still below the floor) it is the plain evaluation at the learner's reach."""
 
     def __init__(self, evaluation: EnvEvaluation, learner: ResidualOffPolicyLearner):
@@ -420,38 +411,23 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     evaluation = JudgedEvaluation(EnvEvaluation(cfg, run, make_agent, policy.env_options()), learner)
     loop = FinetuneLoop(cfg, run, evaluation)
     saved = loop.resume({"learner": learner}, learner.optimizers(), write_agent)
-    loop.start(f"finetune {algo.name}", evaluate_start=algo.high_start is not None)
-    # at a high start (the base policy's own first evaluation reaches algo.high_start) RL has more to
-    # lose than to gain (docs/finetuning.md, "Do no harm"): every env trains at the ramp's reach, and what
-    # evaluations and checkpoints act with is judged on paired evaluations (JudgedReach; algo.high_start_judged);
-    # without judging, less of the reach is free
-    free_reach, judged = algo.free_reach, None
-    if saved is not None:
-        free_reach = float(saved.get("free_reach", free_reach))
-        if saved.get("judged_reach") is not None:
-            judged = JudgedReach(0.0)
-            judged.load_state_dict(saved["judged_reach"])
-    elif algo.high_start is not None and loop.starts_high(algo.high_start):
-        free_reach = min(free_reach, algo.high_start_free_reach)
-        if algo.high_start_judged and free_reach < 1.0:
-            judged, free_reach = JudgedReach(free_reach), 1.0
+    # every env trains at the ramp's reach; what evaluations and checkpoints act with is judged on
+    # paired evaluations: the floor until the training reach is shown better (docs/finetuning.md, "What acts is judged").
+    # Judging needs evaluations: with eval_every=0 the start and the end are evaluated, and the end judged
+    judged = JudgedReach(algo.floor_reach) if algo.floor_reach is not None else None
+    loop.start(f"finetune {algo.name}", evaluate_start=judged is not None)  # step 0: the base policy, unjudged
+    if judged is not None and saved is not None:
+        judged.load_state_dict(saved["judged_reach"])
     evaluation.judged = judged
-    earned = EarnedReach(free_reach, algo.reach_window)
-    if saved is not None and "earned_reach" in saved:
-        earned.load_state_dict(saved["earned_reach"])
     queue = PolicyRunner(policy, num_envs, seed=distributed.rank_seed(seed))
     window: list[dict[str, Tensor]] = []  # the last n_step steps, whose n-step returns are not complete yet
     stats: dict[str, float] = {}
     if saved is None or saved["env"] is None:  # new episodes: a new run, or a backend without snapshots
         obs, _ = env.reset(seed=distributed.rank_seed(seed + loop.env_steps))
         base = queue.act(obs)
-        if saved is not None:  # resumed: the episodes in progress are gone, and so are their cohorts
-            earned.drop_under_way()
-        episode_regime = torch.full((num_envs,), earned.start(warm_start.phase(loop.env_steps), num_envs))
     else:  # continue exactly where the checkpoint stopped
         env.set_state(saved["env"])
         obs, base, window = saved["obs"], saved["base"], saved["window"]
-        episode_regime = saved.get("episode_regime", torch.full((num_envs,), EarnedReach.IGNORED))
         queue.load_state_dict(saved["queue"])
         if shaping is not None:
             shaping.load_state(saved["shaping"])
@@ -467,13 +443,12 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         return {"env": env_snapshot(env), "obs": obs, "base": base, "window": window, "queue": queue.state_dict(),
                 "demo_generator": demo_generator.get_state(), "pending_updates": budget.state_dict(),
                 "replay": {"online": replay.state_dict(), "intervened": intervened.state_dict()},
-                "earned_reach": earned.state_dict(), "episode_regime": episode_regime, "free_reach": free_reach,
                 "judged_reach": judged.state_dict() if judged is not None else None,
                 **takeover.state_dict(), **({"shaping": shaping.state()} if shaping is not None else {})}
 
     while loop.env_steps < loop.total_env_steps:
         phase = warm_start.phase(loop.env_steps)
-        reach = min(warm_start.reach(loop.env_steps), earned.cap)
+        reach = warm_start.reach(loop.env_steps)
         learner.set_reach(reach)
         obs_features = features(obs)  # once per step: for the actor now, and for the replay
         residual = (torch.zeros_like(base) if phase == WARMUP
@@ -482,10 +457,6 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         next_obs, reward, terminated, truncated, info = env.step(action)
         done = terminated | truncated
         takeover.after_step(reward, done, info)
-        ended = info["_episode"].cpu()
-        earned.record(episode_regime[ended], visible_success(info)[ended])
-        starting = done.cpu()  # the episodes that start at the next step
-        episode_regime[starting] = earned.start(phase, int(starting.sum()))
         final_obs = where_obs(done, info["final_obs"], next_obs)
         bootstrap_base = queue.peek(final_obs, done)  # what the base policy would do at final_obs
         queue.reset(done.cpu())
@@ -520,7 +491,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
                     if key in stats:
                         loop.check_finite(key, stats[key], stats)
 
-        row = {**stats, "train/phase": {WARMUP: 0, CRITIC: 1, FULL: 2}[phase], "train/reach_cap": earned.cap,
+        row = {**stats, "train/phase": {WARMUP: 0, CRITIC: 1, FULL: 2}[phase], "train/reach": reach,
                **takeover.metrics()}
         if loop.log(row):
             takeover.window_logged()

@@ -13,12 +13,9 @@ A residual learner may also ramp its reach (`reach`): the residual's bound grows
 actor that still follows an immature critic can move the policy only a little (the dip below
 BC that a full-reach start shows on tasks BC already solves).
 
-Beyond `free_reach`, the reach is earned (`EarnedReach`): the ramp may take the residual past
-that fraction of its scale only as far as the training episodes have shown it to help, and a
-window that shows harm takes reach back.
-At a high start (the base policy already succeeds most of the time) the training reach has no
-cap, and what evaluations and checkpoints act with is judged instead (`JudgedReach`): the floor
-until paired evaluations show the training reach ahead.
+What evaluations and checkpoints act with is judged (`JudgedReach`): the residual scaled down to a
+floor until paired evaluations show the training reach ahead. Residual PPO's anchor to the base
+policy is released only as far as training success earns (`EarnedReach`).
 
 Both lengths are in simulator env steps summed over all envs (the same clock as
 `cfg.env_steps`). WSRL (Zhou et al., 2024) showed that this keeps a pretrained policy from
@@ -82,14 +79,14 @@ REACH_STEP = 0.2
 
 @dataclass
 class EarnedReach:
-    """A cap on the ramp's reach, moved by the success of the training episodes.
+    """A cap in [FIRST_REACH, 1] moved by the success of the training episodes (residual PPO's
+    anchor release at a high start: algos/ppo.py).
 
     The critic-only phase measures the baseline: the success of training episodes with the actor
-    still untouched (the base policy, the first reach and the exploration noise). In the full
-    phase, episodes are grouped into cohorts by when they START: a cohort takes the episodes that
-    start until `window` of them have started (summed over ranks), and once every one of them has
-    ended it gives a verdict against the baseline, with a margin of two standard errors of the
-    difference (at least one episode in the cohort):
+    still untouched. In the full phase, episodes are grouped into cohorts by when they START: a
+    cohort takes the episodes that start until `window` of them have started (summed over ranks),
+    and once every one of them has ended it gives a verdict against the baseline, with a margin of
+    two standard errors of the difference (at least one episode in the cohort):
         success above baseline + margin -> the cap grows by REACH_STEP (up to 1),
         success below baseline - margin -> the cap shrinks by REACH_STEP (down to FIRST_REACH),
         else it stays.
@@ -98,11 +95,7 @@ class EarnedReach:
     episodes to END after any moment are mostly successes; a verdict on them finds gains that are
     not there (64 envs, a window of 50, the same success before and after: the cap climbed to 1 on
     most seeds). Which episodes START in a cohort does not depend on how they end.
-    The cap starts at `free_reach`: up to there the ramp alone sets the reach (1.0: no cap).
-    Why a cap at all: on a task BC already solves, a residual at full reach follows the critic's
-    slope into misses the critic cannot see (Meta-World peg-insert-side, .96 -> .46 at scale 0.5;
-    .96 held at 0.2), while a task far from solved needs the full reach (tabletop peg_insert: 0.5).
-    Success, not the critic, decides which of the two a task is (docs/finetuning.md, "Do no harm").
+    The cap starts at `free_reach` (1.0: no cap, nothing recorded).
     Counts are summed over ranks, so every rank holds the same cap and the same cohorts.
     """
 
@@ -113,7 +106,7 @@ class EarnedReach:
 
     def __post_init__(self) -> None:
         if not 0 < self.free_reach <= 1 or self.window < 1:
-            raise UserError("free_reach must be in (0, 1] and reach_window >= 1")
+            raise UserError("EarnedReach: free_reach must be in (0, 1] and window >= 1")
         self.cap = self.free_reach
         self.baseline_counts = [0.0, 0.0]  # [successes, episodes]
         self.open_cohort = 1  # the tag of full-phase episodes that start now (cohort tags count up from 1)
@@ -195,16 +188,13 @@ class EarnedReach:
             return
         self.baseline_counts = list(state["baseline"])
         self.open_cohort = int(state["open_cohort"])
-        # written with two arms (probing at a high start: [held..., probe...]): the arms' counts summed
-        self.cohorts = {int(tag): [a + b for a, b in zip(counts[:3], (list(counts[3:]) + [0.0] * 3)[:3])]
-                        for tag, counts in state["cohorts"].items()}
-        started = state["started_here"]
-        self.started_here = int(sum(started)) if isinstance(started, (list, tuple)) else int(started)
+        self.cohorts = {int(tag): list(counts) for tag, counts in state["cohorts"].items()}
+        self.started_here = int(state["started_here"])
 
 
 @dataclass
 class JudgedReach:
-    """At a high start: what evaluations and checkpoints act with, while the actor trains at the ramp's reach.
+    """What evaluations and checkpoints act with, while the actor trains at the ramp's reach.
 
     Every training env acts at the ramp's reach (no cap: the actor learns from data at the reach it
     is trained for), and every periodic evaluation scores the actor twice on the same episodes: at
@@ -213,13 +203,17 @@ class JudgedReach:
     file act with) is the floor until the training reach wins a paired sign test: among the
     episodes where exactly one of the two succeeded, the training reach's wins are too many for a
     fair coin (one-sided p < `alpha`); it falls back to the floor when the floor wins the same test.
-    Why paired: at a high start a gain is a few points, which two independent samples of 100
-    episodes cannot resolve (two standard errors at .88 vs .96: 7.7 points), while on the same
-    initial states only the episodes the reach changes count (Meta-World door-open at 50k: 5 of 5
-    such episodes won by the full reach, p = .031). Why deployed only: an actor trained at a reach
-    only part of the envs act with does not learn there (door-open: .84 at the full reach with
-    half the envs at it, .96 with all). The evaluation reported is the deployed one's, chosen after
-    both ran: the checkpoint of that step acts with it, so the number and the checkpoint agree."""
+    Why judged: on a task the base policy nearly solves, the full reach can follow the critic's slope
+    into misses it cannot see (Meta-World peg-insert-side: .92 at the floor, .45 at the full reach
+    on the same episodes), while a task far from solved needs the full reach (tabletop peg_insert).
+    Evaluations tell which, per task and per moment; training success does not resolve a gain of a
+    few points. Why paired: two independent samples of 100 episodes cannot resolve .88 vs .96 (two
+    standard errors: 7.7 points), while on the same initial states only the episodes the reach
+    changes count (Meta-World door-open at 50k: 5 of 5 such episodes won by the full reach,
+    p = .031). Why every env at the ramp's reach: an actor trained at a reach only part of the envs
+    act with does not learn there (door-open: .84 at the full reach with half the envs at it, .96
+    with all). The evaluation reported is the deployed one's, chosen after both ran: the checkpoint
+    of that step acts with it, so the number and the checkpoint agree."""
 
     floor: float
     alpha: float = 0.05
