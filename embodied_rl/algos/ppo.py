@@ -58,7 +58,15 @@ from embodied_rl.algos.common import (
     training_reward,
 )
 from embodied_rl.algos.gradient_noise import GradientNoiseScale
-from embodied_rl.algos.wsrl import CRITIC, FIRST_REACH, FULL, EarnedReach, visible_success
+from embodied_rl.algos.wsrl import (
+    CRITIC,
+    FIRST_REACH,
+    FULL,
+    EarnedReach,
+    JudgedEvaluation,
+    JudgedReach,
+    visible_success,
+)
 from embodied_rl.envs.api import step_chunk
 from embodied_rl.errors import UserError
 from embodied_rl.policies.base import Obs
@@ -78,6 +86,9 @@ def _flat(x: Obs) -> Obs:
 def _cat(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """Flat batches one after another (each entry of a dict observation too)."""
     return {key: map_obs(lambda *rows: torch.cat(rows), *[part[key] for part in parts]) for key in parts[0]}
+
+
+RESIDUAL_ACTORS = ("residual", "residual_chunk")  # the actors with a residual to scale (set_reach)
 
 
 @dataclass(frozen=True)
@@ -111,6 +122,8 @@ class PPOConfig(AlgoConfig):
     base_reg_decay_steps: int | None  # the regulariser's weight falls linearly to 0 over these env steps; None = constant
     base_reg_window: int | None  # the anchor lets go only as training success earns it, judged every this many episodes
     high_start: float | None  # ... only where the first evaluation succeeds at least this often; None = everywhere
+    floor_reach: float | None  # residual actors: evaluations and checkpoints act at this fraction of the residual
+                               # until paired evaluations judge the full one better (JudgedReach); None = off
     target_kl: float | None
     critic_warmup_iters: int
     norm_adv: bool
@@ -146,6 +159,9 @@ class PPOConfig(AlgoConfig):
             ("base_reg_window", self.base_reg_window is None or (self.base_reg_coef > 0 and not grpo),
              "null unless algo.base_reg_coef > 0 and PPO (it releases that regulariser by training success)"),
             ("high_start", self.high_start is None or 0.0 <= self.high_start <= 1.0, "in [0, 1] or null"),
+            ("floor_reach", self.floor_reach is None or 0.0 < self.floor_reach < 1.0, "in (0, 1) or null"),
+            ("floor_reach", self.floor_reach is None or self.actor in RESIDUAL_ACTORS,
+             f"null unless algo.actor is a residual ({', '.join(RESIDUAL_ACTORS)}): it scales the residual"),
             ("target_kl", self.target_kl is None or self.target_kl > 0, "> 0 or null"),
             ("critic_warmup_iters", self.critic_warmup_iters >= 0, ">= 0"),
             ("max_grad_norm", self.max_grad_norm > 0, "> 0"),
@@ -303,6 +319,11 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
 
     evaluation = EnvEvaluation(cfg, run, lambda n: ActorAgent(actor.for_eval(n), n, deterministic=True),
                                policy.env_options())
+    # a judged reach (residual actors): rollouts act at the full residual; evaluations and checkpoints at
+    # the floor until paired evaluations show the full residual better (algos/wsrl.py JudgedReach)
+    judged = JudgedReach(algo.floor_reach) if algo.floor_reach is not None else None
+    if judged is not None:
+        evaluation = JudgedEvaluation(evaluation, actor)
     loop = FinetuneLoop(cfg, run, evaluation)
     loop.counters["iteration"] = 0
     modules = {"actor": actor}
@@ -361,9 +382,17 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         if earned is not None:
             state["earned_anchor"], state["episode_regime"] = earned.state_dict(), episode_regime
             state["anchor_earned"] = anchor_earned
+        if judged is not None:
+            state["judged_reach"] = judged.state_dict()
         return state
 
-    loop.start(f"finetune {algo.name}", evaluate_start=earned is not None and algo.high_start is not None)
+    # judging needs evaluations: with eval_every=0 the start and the end are evaluated, and the end judged
+    loop.start(f"finetune {algo.name}",
+               evaluate_start=judged is not None or (earned is not None and algo.high_start is not None))
+    if judged is not None:  # after the start's evaluation: the base policy's, unjudged
+        if saved is not None:
+            judged.load_state_dict(saved["judged_reach"])
+        evaluation.judged = judged
     # the release is earned at a high start (the base policy's own first evaluation reaches algo.high_start):
     # there RL has little to add and its noise much to take (docs/finetuning.md, "Conservative start of residual PPO")
     if earned is None:
@@ -372,6 +401,16 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         anchor_earned = bool(saved.get("anchor_earned", "earned_anchor" in saved))
     else:
         anchor_earned = algo.high_start is None or loop.starts_high(algo.high_start)
+    def deploy(step, state):
+        """`loop.boundary` / `loop.finish` (which may evaluate and write checkpoints) with the actor at
+        the deployed reach, the rollouts after it at the full one."""
+        if judged is not None:
+            actor.set_reach(judged.reach(1.0))
+        result = step(state)
+        if judged is not None:
+            actor.set_reach(1.0)
+        return result
+
     while loop.counters["iteration"] < iterations:
         iteration_start = time.perf_counter()
         steps_before = loop.env_steps
@@ -529,6 +568,6 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         elif value_fit is not None:
             log["train/explained_variance"] = value_fit
         loop.log(log)
-        loop.boundary(loop_state)
+        deploy(loop.boundary, loop_state)
 
-    return loop.finish(loop_state)
+    return deploy(loop.finish, loop_state)

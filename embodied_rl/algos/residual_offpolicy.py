@@ -77,6 +77,7 @@ from embodied_rl.algos.wsrl import (
     CRITIC,
     FULL,
     WARMUP,
+    JudgedEvaluation,
     JudgedReach,
     WarmStart,
 )
@@ -307,49 +308,6 @@ class ResidualOffPolicyLearner:
             self.log_alpha.copy_(state["log_alpha"].to(self.device))
         self.generator.set_state(state["generator"])
         self.updates = int(state["updates"])
-
-
-class JudgedEvaluation:
-    """The run's evaluation under JudgedReach (algos/wsrl.py): the actor is scored on the same
-    episodes at the floor and at the training reach (`train_reach`, which the loop keeps), the verdict sets the
-    deployed reach, and the deployed one's evaluation is the run's (videos of both, under
-    videos/step_<step>_reach_<r>). Without a verdict to give (no JudgedReach: algo.floor_reach null;
-    or the ramp still below the floor) it is the plain evaluation at the learner's reach."""
-
-    def __init__(self, evaluation: EnvEvaluation, learner: ResidualOffPolicyLearner):
-        self.evaluation, self.learner = evaluation, learner
-        self.judged: JudgedReach | None = None
-        self.train_reach = 1.0
-
-    def __call__(self, step: int) -> tuple[dict[str, Any], dict[str, float]]:
-        train = self.train_reach
-        if self.judged is None or train <= self.judged.floor:
-            return self.evaluation(step)
-        runs = {}
-        for name, reach in (("floor", self.judged.floor), ("train_reach", train)):
-            self.learner.set_reach(reach)
-            runs[name] = self.evaluation(step, f"step_{step}_reach_{reach:.2f}")
-        floor, trained = (_episode_successes(runs[name][0]) for name in ("floor", "train_reach"))
-        self.judged.judge(floor, trained)
-        deployed = self.judged.reach(train)
-        self.learner.set_reach(deployed)  # what the checkpoint of this step acts with
-        info, metrics = runs["train_reach" if self.judged.promoted else "floor"]
-        return info, {**metrics, "eval/floor_success_rate": sum(floor) / len(floor),
-                      "eval/train_reach_success_rate": sum(trained) / len(trained), "eval/deployed_reach": deployed}
-
-    def record(self, info: dict[str, Any]) -> dict[str, Any]:
-        return self.evaluation.record(info)
-
-    def headline(self, info: dict[str, Any]) -> dict[str, Any]:
-        return self.evaluation.headline(info)
-
-    def close(self) -> None:
-        self.evaluation.close()
-
-
-def _episode_successes(info: dict[str, Any]) -> list[bool]:
-    """Per episode, in episode order (the same initial states at the same index across evaluations)."""
-    return [bool(e["success"]) for e in sorted(info["per_episode"], key=lambda e: e["episode"])]
 
 
 # --------------------------------------------------------------------------------------------

@@ -352,6 +352,42 @@ def test_a_resumed_run_keeps_its_first_part_s_high_start_verdict(checkpoints, tm
     assert rows[-1]["step"] == 256 and {row["train/anchor_earned"] for row in rows} == {1.0}
 
 
+@pytest.mark.e2e
+def test_a_judged_residual_ppo_rolls_out_the_full_residual_and_deploys_the_floor_until_it_wins(
+        checkpoints, tmp_path):  # noqa: F811
+    """algo.floor_reach on residual PPO: two evaluations on the same episodes at every evaluation after the start
+    (4 paired episodes never resolve a win: the floor is deployed), the checkpoints' agent at the floor's scale, and
+    the rollouts at the full residual (a run without judging trains the same: the same training rows), also after a
+    resume."""
+    args = ["finetune", f"checkpoint={checkpoints / 'flow'}", "eval_every=128", "eval_episodes=4",
+            *TINY, *RESIDUAL, "algo.base_reg_coef=0", "algo.base_reg_decay_steps=null", "algo.base_reg_window=null",
+            "algo.high_start=null", "algo.actor_kwargs.action_scale=0.1"]
+    for env_steps in (128, 256):  # stopped and resumed: the verdict is kept in the checkpoint
+        assert main([*args, f"env_steps={env_steps}", f"run_dir={tmp_path / 'judged'}", "algo.floor_reach=0.2"]) == 0
+    assert main([*args, "env_steps=256", f"run_dir={tmp_path / 'plain'}"]) == 0
+    judged, plain = read_metrics(tmp_path / "judged"), read_metrics(tmp_path / "plain")
+    assert [row["step"] for row in judged if "eval/deployed_reach" in row] == [128, 256]
+    assert all(row["eval/deployed_reach"] == 0.2 for row in judged if "eval/deployed_reach" in row)
+    training = [[row.get("train/approx_kl") for row in rows if "train/approx_kl" in row] for rows in (judged, plain)]
+    assert training[0] == training[1] and training[0]  # the rollouts act at the full residual either way
+    for name in ("last", "best"):
+        agent = json.loads((tmp_path / "judged" / "checkpoints" / name / "agent.json").read_text())
+        assert agent["config"]["action_scale"] == pytest.approx(0.1 * 0.2)
+    agent = json.loads((tmp_path / "plain" / "checkpoints" / "last" / "agent.json").read_text())
+    assert agent["config"]["action_scale"] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([*RESIDUAL, "algo.floor_reach=1.0"], "algo.floor_reach must be in (0, 1) or null"),
+    (["algo=dppo", "algo.floor_reach=0.2"], "algo.floor_reach must be null unless algo.actor is a residual"),
+])
+def test_a_bad_floor_reach_exits_2(checkpoints, tmp_path, capsys, overrides, message):  # noqa: F811
+    assert main(["finetune", f"checkpoint={checkpoints / 'flow'}", f"run_dir={tmp_path / 'r'}", *TINY,
+                 *overrides]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_high_start_out_of_range_exits_2(checkpoints, tmp_path, capsys):  # noqa: F811
     assert main(["finetune", f"checkpoint={checkpoints / 'flow'}", f"run_dir={tmp_path / 'r'}", *TINY,
                  *RESIDUAL, "algo.high_start=-0.1"]) == 2

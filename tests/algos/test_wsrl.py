@@ -265,8 +265,7 @@ def test_judged_reach_deploys_the_training_reach_only_on_a_paired_win_and_gives_
 def test_the_judged_evaluation_reports_and_checkpoints_the_deployed_reach():
     """Two evaluations on the same episodes (floor, then training reach); the learner is left at the deployed
     reach, and the evaluation returned is the deployed one's."""
-    from embodied_rl.algos.residual_offpolicy import JudgedEvaluation
-    from embodied_rl.algos.wsrl import JudgedReach
+    from embodied_rl.algos.wsrl import JudgedEvaluation, JudgedReach
 
     class Learner:
         reach = 0.1
