@@ -301,6 +301,9 @@ def bc_checkpoint(task: str, given: dict[str, str], root: Path, collect: list[st
     bc_dir = root / f"{task}_bc"
     if not (bc_dir / "pretrain" / "checkpoints" / "last").exists():
         if not (bc_dir / "demos.zarr").exists():
+            # a collect stopped before it wrote the demos: its run directory holds nothing to reuse (and
+            # `collect` refuses a run_dir that holds files)
+            shutil.rmtree(bc_dir / "collect", ignore_errors=True)
             _cli(["collect", f"task={task}", f"out={bc_dir / 'demos.zarr'}", f"run_dir={bc_dir / 'collect'}",
                   *collect])
         _cli(["pretrain", f"task={task}", "policy=flow", f"data={bc_dir / 'demos.zarr'}", "videos=0",

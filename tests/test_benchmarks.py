@@ -23,6 +23,29 @@ def load_benchmark(name: str):
     return module
 
 
+def test_a_bc_whose_collect_stopped_before_its_demos_is_collected_again(tmp_path, monkeypatch):
+    """An interrupted table resumes even where `collect` was stopped: its run directory (no demos.zarr)
+    is cleared, as `collect` refuses one that holds files."""
+    bench = load_benchmark("finetune_table")
+    calls = []
+
+    def fake_cli(args):
+        calls.append(args[0])
+        run_dir = Path(next(arg for arg in args if arg.startswith("run_dir=")).split("=", 1)[1])
+        assert not run_dir.exists() or not any(run_dir.iterdir())
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if args[0] == "collect":
+            (tmp_path / "reach_bc" / "demos.zarr").mkdir()
+        else:
+            (run_dir / "checkpoints" / "last").mkdir(parents=True)
+
+    monkeypatch.setattr(bench, "_cli", fake_cli)
+    (tmp_path / "reach_bc" / "collect").mkdir(parents=True)
+    (tmp_path / "reach_bc" / "collect" / "config.yaml").write_text("stopped: true\n")
+    assert bench.bc_checkpoint("reach", {}, tmp_path) == tmp_path / "reach_bc" / "pretrain" / "checkpoints" / "last"
+    assert calls == ["collect", "pretrain"]
+
+
 def test_finetune_table_reports_each_algo_over_seeds_and_resumes(tmp_path, capsys, monkeypatch):
     from embodied_rl.policies import make_policy, save_policy
 
