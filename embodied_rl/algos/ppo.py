@@ -317,13 +317,12 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     env_steps_per_iter = num_envs * distributed.world_size() * steps_per_mdp * (max_mdp_steps if grpo else algo.num_steps)
     iterations = max(1, math.ceil(int(cfg.env_steps) / env_steps_per_iter))
 
-    evaluation = EnvEvaluation(cfg, run, lambda n: ActorAgent(actor.for_eval(n), n, deterministic=True),
-                               policy.env_options())
-    # a judged reach (residual actors): rollouts act at the full residual; evaluations and checkpoints at
-    # the floor until paired evaluations show the full residual better (algos/wsrl.py JudgedReach)
+    # a judged reach (residual actors, algo.floor_reach): rollouts act at the full residual; evaluations and
+    # checkpoints at the floor until paired evaluations show the full residual better (algos/wsrl.py JudgedReach).
+    # Without one, JudgedEvaluation is the plain evaluation
     judged = JudgedReach(algo.floor_reach) if algo.floor_reach is not None else None
-    if judged is not None:
-        evaluation = JudgedEvaluation(evaluation, actor)
+    evaluation = JudgedEvaluation(EnvEvaluation(cfg, run, lambda n: ActorAgent(actor.for_eval(n), n, deterministic=True),
+                                                policy.env_options()), actor)
     loop = FinetuneLoop(cfg, run, evaluation)
     loop.counters["iteration"] = 0
     modules = {"actor": actor}
@@ -389,10 +388,9 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     # judging needs evaluations: with eval_every=0 the start and the end are evaluated, and the end judged
     loop.start(f"finetune {algo.name}",
                evaluate_start=judged is not None or (earned is not None and algo.high_start is not None))
-    if judged is not None:  # after the start's evaluation: the base policy's, unjudged
-        if saved is not None:
-            judged.load_state_dict(saved["judged_reach"])
-        evaluation.judged = judged
+    if judged is not None and saved is not None:
+        judged.load_state_dict(saved["judged_reach"])
+    evaluation.judged = judged  # after the start's evaluation: the base policy's, unjudged
     # the release is earned at a high start (the base policy's own first evaluation reaches algo.high_start):
     # there RL has little to add and its noise much to take (docs/finetuning.md, "Conservative start of residual PPO")
     if earned is None:
@@ -401,6 +399,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         anchor_earned = bool(saved.get("anchor_earned", "earned_anchor" in saved))
     else:
         anchor_earned = algo.high_start is None or loop.starts_high(algo.high_start)
+
     def deploy(step, state):
         """`loop.boundary` / `loop.finish` (which may evaluate and write checkpoints) with the actor at
         the deployed reach, the rollouts after it at the full one."""
