@@ -16,8 +16,6 @@ state includes the base policy's queued chunk.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor, nn
 
@@ -96,28 +94,13 @@ def queued_chunk_state(queue: Tensor, position: Tensor) -> Tensor:
 class ResidualBase(Actor):
     """What the per-step and the chunk residual share: the residual, a Gaussian draw around the
     base action scaled by `action_scale` (`_head(obs, base) -> mean, std`), its likelihood summed
-    over its entries (L = 1), and its KL to the base.
-
-    `set_reach(fraction)` scales the residual by `fraction` of `action_scale` in what the actor does and
-    in the agent it saves (`config()`): what evaluations and checkpoints act with under a judged reach
-    (algos/wsrl.py JudgedReach); training runs at the full reach (1)."""
-
-    reach = 1.0
-
-    def set_reach(self, fraction: float) -> None:
-        self.reach = float(fraction)
-
-    def config(self) -> dict[str, Any]:
-        config = dict(self._config)
-        scale = config["action_scale"]
-        config["action_scale"] = scale * self.reach if isinstance(scale, (int, float)) else [s * self.reach for s in scale]
-        return config
+    over its entries (L = 1), and its KL to the base."""
 
     def _draw(self, obs: Obs, base: Tensor, deterministic: bool) -> tuple[Tensor, dict[str, Tensor]]:
         """(the actions, the stash) of a residual drawn on `base`: the mean when deterministic."""
         mean, std = self._head(obs, base)
         residual = mean if deterministic else mean + std * torch.randn_like(mean)
-        actions = (base + self.reach * self.action_scale * residual.view_as(base)).clamp(-1.0, 1.0)
+        actions = (base + self.action_scale * residual.view_as(base)).clamp(-1.0, 1.0)
         return actions, {"base_action": base, "residual": residual}
 
     def evaluate(self, obs: Obs, stash: dict[str, Tensor]) -> tuple[Tensor, Tensor]:

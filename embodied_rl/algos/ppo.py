@@ -63,8 +63,7 @@ from embodied_rl.algos.wsrl import (
     FIRST_REACH,
     FULL,
     EarnedReach,
-    JudgedEvaluation,
-    JudgedReach,
+    JudgedWeights,
     visible_success,
 )
 from embodied_rl.envs.api import step_chunk
@@ -86,9 +85,6 @@ def _flat(x: Obs) -> Obs:
 def _cat(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """Flat batches one after another (each entry of a dict observation too)."""
     return {key: map_obs(lambda *rows: torch.cat(rows), *[part[key] for part in parts]) for key in parts[0]}
-
-
-RESIDUAL_ACTORS = ("residual", "residual_chunk")  # the actors with a residual to scale (set_reach)
 
 
 @dataclass(frozen=True)
@@ -122,8 +118,8 @@ class PPOConfig(AlgoConfig):
     base_reg_decay_steps: int | None  # the regulariser's weight falls linearly to 0 over these env steps; None = constant
     base_reg_window: int | None  # the anchor lets go only as training success earns it, judged every this many episodes
     high_start: float | None  # ... only where the first evaluation succeeds at least this often; None = everywhere
-    floor_reach: float | None  # residual actors: evaluations and checkpoints act at this fraction of the residual
-                               # until paired evaluations judge the full one better (JudgedReach); None = off
+    deploy: str  # judged: evaluations and checkpoints act with the last weights that won a paired evaluation
+                 # (JudgedWeights); latest: with the weights of the moment
     target_kl: float | None
     critic_warmup_iters: int
     norm_adv: bool
@@ -159,9 +155,7 @@ class PPOConfig(AlgoConfig):
             ("base_reg_window", self.base_reg_window is None or (self.base_reg_coef > 0 and not grpo),
              "null unless algo.base_reg_coef > 0 and PPO (it releases that regulariser by training success)"),
             ("high_start", self.high_start is None or 0.0 <= self.high_start <= 1.0, "in [0, 1] or null"),
-            ("floor_reach", self.floor_reach is None or 0.0 < self.floor_reach < 1.0, "in (0, 1) or null"),
-            ("floor_reach", self.floor_reach is None or self.actor in RESIDUAL_ACTORS,
-             f"null unless algo.actor is a residual ({', '.join(RESIDUAL_ACTORS)}): it scales the residual"),
+            ("deploy", self.deploy in ("judged", "latest"), "judged or latest"),
             ("target_kl", self.target_kl is None or self.target_kl > 0, "> 0 or null"),
             ("critic_warmup_iters", self.critic_warmup_iters >= 0, ">= 0"),
             ("max_grad_norm", self.max_grad_norm > 0, "> 0"),
@@ -317,12 +311,13 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     env_steps_per_iter = num_envs * distributed.world_size() * steps_per_mdp * (max_mdp_steps if grpo else algo.num_steps)
     iterations = max(1, math.ceil(int(cfg.env_steps) / env_steps_per_iter))
 
-    # a judged reach (residual actors, algo.floor_reach): rollouts act at the full residual; evaluations and
-    # checkpoints at the floor until paired evaluations show the full residual better (algos/wsrl.py JudgedReach).
-    # Without one, JudgedEvaluation is the plain evaluation
-    judged = JudgedReach(algo.floor_reach) if algo.floor_reach is not None else None
-    evaluation = JudgedEvaluation(EnvEvaluation(cfg, run, lambda n: ActorAgent(actor.for_eval(n), n, deterministic=True),
-                                                policy.env_options()), actor)
+    # algo.deploy=judged: evaluations and checkpoints act with the last weights that won a paired evaluation,
+    # the pretrained ones until then (algos/wsrl.py JudgedWeights); training goes on from the current ones
+    evaluation = EnvEvaluation(cfg, run, lambda n: ActorAgent(actor.for_eval(n), n, deterministic=True),
+                               policy.env_options())
+    judged = JudgedWeights(evaluation, actor) if algo.deploy == "judged" else None
+    if judged is not None:
+        evaluation = judged
     loop = FinetuneLoop(cfg, run, evaluation)
     loop.counters["iteration"] = 0
     modules = {"actor": actor}
@@ -332,7 +327,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     if algo.reincarnate_at is not None and algo.base_reg_coef > 0:
         anchor = copy.deepcopy(actor).requires_grad_(False)
         modules["anchor"] = anchor
-    saved = loop.resume(modules, {"optimizer": optimizer}, actor.save)
+    saved = loop.resume(modules, {"optimizer": optimizer}, actor.save if judged is None else judged.write_agent)
     # the earned anchor: after its schedule, the anchor keeps the weight coef * (1 - release); the
     # release starts near 0 and grows (or shrinks) with the success of the training episodes against
     # those of the critic warm-up, which the untouched actor ran (EarnedReach's verdicts)
@@ -382,15 +377,14 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
             state["earned_anchor"], state["episode_regime"] = earned.state_dict(), episode_regime
             state["anchor_earned"] = anchor_earned
         if judged is not None:
-            state["judged_reach"] = judged.state_dict()
+            state["judged_weights"] = judged.state_dict()
         return state
 
+    if judged is not None and saved is not None and "judged_weights" in saved:  # (a checkpoint from before
+        judged.load_state_dict(saved["judged_weights"])  # judging: the pretrained weights stay deployed)
     # judging needs evaluations: with eval_every=0 the start and the end are evaluated, and the end judged
     loop.start(f"finetune {algo.name}",
                evaluate_start=judged is not None or (earned is not None and algo.high_start is not None))
-    if judged is not None and saved is not None:
-        judged.load_state_dict(saved["judged_reach"])
-    evaluation.judged = judged  # after the start's evaluation: the base policy's, unjudged
     # the release is earned at a high start (the base policy's own first evaluation reaches algo.high_start):
     # there RL has little to add and its noise much to take (docs/finetuning.md, "Conservative start of residual PPO")
     if earned is None:
@@ -399,16 +393,6 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         anchor_earned = bool(saved.get("anchor_earned", "earned_anchor" in saved))
     else:
         anchor_earned = algo.high_start is None or loop.starts_high(algo.high_start)
-
-    def deploy(step, state):
-        """`loop.boundary` / `loop.finish` (which may evaluate and write checkpoints) with the actor at
-        the deployed reach, the rollouts after it at the full one."""
-        if judged is not None:
-            actor.set_reach(judged.reach(1.0))
-        result = step(state)
-        if judged is not None:
-            actor.set_reach(1.0)
-        return result
 
     while loop.counters["iteration"] < iterations:
         iteration_start = time.perf_counter()
@@ -567,6 +551,6 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         elif value_fit is not None:
             log["train/explained_variance"] = value_fit
         loop.log(log)
-        deploy(loop.boundary, loop_state)
+        loop.boundary(loop_state)
 
-    return deploy(loop.finish, loop_state)
+    return loop.finish(loop_state)

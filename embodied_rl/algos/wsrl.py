@@ -13,9 +13,10 @@ A residual learner may also ramp its reach (`reach`): the residual's bound grows
 actor that still follows an immature critic can move the policy only a little (the dip below
 BC that a full-reach start shows on tasks BC already solves).
 
-What evaluations and checkpoints act with is judged (`JudgedReach`): the residual scaled down to a
-floor until paired evaluations show the training reach ahead. Residual PPO's anchor to the base
-policy is released only as far as training success earns (`EarnedReach`).
+What evaluations and checkpoints act with is judged on paired evaluations: for residual TD3/SAC
+the residual scaled down to a floor until the training reach is ahead (`JudgedReach`); for the PPO
+family the last weights that beat the deployed ones (`JudgedWeights`). Residual PPO's anchor to the
+base policy is released only as far as training success earns (`EarnedReach`).
 
 Both lengths are in simulator env steps summed over all envs (the same clock as
 `cfg.env_steps`). WSRL (Zhou et al., 2024) showed that this keeps a pretrained policy from
@@ -24,7 +25,9 @@ collapsing in the first online updates; ResFiT and DSRL use the same idea.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -246,8 +249,7 @@ class JudgedEvaluation:
     videos/step_<step>_reach_<r>). Without a verdict to give (no JudgedReach: algo.floor_reach null;
     or the training reach still below the floor) it is the plain evaluation at the learner's reach.
     `evaluation(step, video_name)` is the run's EnvEvaluation; `learner.set_reach(fraction)` scales
-    what the evaluation's agent (and a checkpoint written next) acts with: residual TD3/SAC's learner,
-    residual PPO's actor."""
+    what the evaluation's agent (and a checkpoint written next) acts with (residual TD3/SAC's learner)."""
 
     def __init__(self, evaluation: Any, learner: Any):
         self.evaluation, self.learner = evaluation, learner
@@ -279,6 +281,92 @@ class JudgedEvaluation:
     def close(self) -> None:
         self.evaluation.close()
 
+
+
+class JudgedWeights:
+    """The run's evaluation for the PPO family (residual PPO, DPPO, ReinFlow, Flow-SDE, ...): what
+    evaluations and checkpoints act with is the last weights that won a paired evaluation, the
+    pretrained policy's until the first win.
+
+    Every evaluation after training moved the weights scores two sets of weights on the same episodes:
+    the deployed ones and the current ones. The current ones become the deployed ones (a copy) when they
+    win a paired sign test: among the episodes where exactly one of the two succeeded, the current
+    weights' wins are too many for a fair coin (one-sided p < `alpha`). Otherwise the deployed weights
+    stay, wherever training walks; they never change but to weights that beat them. The evaluation
+    reported is the deployed weights' after the verdict (the current ones' on a win), and every agent
+    file a checkpoint writes acts with them (`write_agent`), so the number and the checkpoint agree;
+    the training state in the checkpoint is the current weights, which a resume goes on training.
+    Why a copy and not a residual scaled to a floor (JudgedReach, residual TD3's rule): PPO's Gaussian
+    mean is unbounded, so a fixed fraction of it walks with training (Meta-World peg-insert-side: 0.2
+    of the residual fell from .91 to .67 by 250k env steps while the full residual read .14-.18); and
+    DPPO, ReinFlow and Flow-SDE train the policy's own weights, with no residual to scale.
+    What is copied: the trainable parameters and every buffer (the frozen base policy's weights never
+    change)."""
+
+    def __init__(self, evaluation: Any, actor: Any, alpha: float = 0.05):
+        self.evaluation, self.actor, self.alpha = evaluation, actor, alpha
+        self.deployed = _trained_state(actor)  # the deployed weights: the pretrained policy's at the start
+        self.deployed_step = 0  # the step they were trained to: while the current ones are that step's, they are the same
+
+    def __call__(self, step: int) -> tuple[dict[str, Any], dict[str, float]]:
+        if step == self.deployed_step:  # nothing trained since the start or the last win
+            return self.evaluation(step)
+        with self.acting_deployed():
+            deployed_run = self.evaluation(step, f"step_{step}_deployed")
+        current_run = self.evaluation(step, f"step_{step}_current")
+        deployed, current = (_episode_successes(run[0]) for run in (deployed_run, current_run))
+        current_wins = sum(1 for d, c in zip(deployed, current) if c and not d)
+        deployed_wins = sum(1 for d, c in zip(deployed, current) if d and not c)
+        if sign_test(current_wins, deployed_wins) < self.alpha:
+            self.deployed, self.deployed_step = _trained_state(self.actor), step
+        info, metrics = current_run if self.deployed_step == step else deployed_run
+        return info, {**metrics, "eval/deployed_success_rate": sum(deployed) / len(deployed),
+                      "eval/current_success_rate": sum(current) / len(current),
+                      "eval/deployed_step": float(self.deployed_step)}
+
+    @contextlib.contextmanager
+    def acting_deployed(self) -> Iterator[None]:
+        """The actor with the deployed weights inside the block, its current ones again after it."""
+        current = _trained_state(self.actor)
+        _load_trained_state(self.actor, self.deployed)
+        try:
+            yield
+        finally:
+            _load_trained_state(self.actor, current)
+
+    def write_agent(self, directory: Any) -> None:
+        """A checkpoint's agent files: the deployed weights."""
+        with self.acting_deployed():
+            self.actor.save(directory)
+
+    def record(self, info: dict[str, Any]) -> dict[str, Any]:
+        return self.evaluation.record(info)
+
+    def headline(self, info: dict[str, Any]) -> dict[str, Any]:
+        return self.evaluation.headline(info)
+
+    def close(self) -> None:
+        self.evaluation.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"weights": self.deployed, "step": self.deployed_step, "alpha": self.alpha}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.deployed, self.deployed_step, self.alpha = state["weights"], int(state["step"]), float(state["alpha"])
+
+
+def _trained_state(module: torch.nn.Module) -> dict[str, Tensor]:
+    """Copies of what training can change: the trainable parameters and every buffer."""
+    state = {name: p.detach().clone() for name, p in module.named_parameters() if p.requires_grad}
+    state.update({name: b.detach().clone() for name, b in module.named_buffers()})
+    return state
+
+
+@torch.no_grad()
+def _load_trained_state(module: torch.nn.Module, state: dict[str, Tensor]) -> None:
+    tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    for name, value in state.items():
+        tensors[name].copy_(value)
 
 def _episode_successes(info: dict[str, Any]) -> list[bool]:
     """Per episode, in episode order (the same initial states at the same index across evaluations)."""

@@ -353,38 +353,37 @@ def test_a_resumed_run_keeps_its_first_part_s_high_start_verdict(checkpoints, tm
 
 
 @pytest.mark.e2e
-def test_a_judged_residual_ppo_rolls_out_the_full_residual_and_deploys_the_floor_until_it_wins(
+def test_judged_ppo_keeps_the_pretrained_weights_deployed_until_current_ones_win_and_trains_as_without(
         checkpoints, tmp_path):  # noqa: F811
-    """algo.floor_reach on residual PPO: two evaluations on the same episodes at every evaluation after the start
-    (4 paired episodes never resolve a win: the floor is deployed), the checkpoints' agent at the floor's scale, and
-    the rollouts at the full residual (a run without judging trains the same: the same training rows), also after a
-    resume."""
-    args = ["finetune", f"checkpoint={checkpoints / 'flow'}", "eval_every=128", "eval_episodes=4",
-            *TINY, *RESIDUAL, "algo.base_reg_coef=0", "algo.base_reg_decay_steps=null", "algo.base_reg_window=null",
-            "algo.high_start=null", "algo.actor_kwargs.action_scale=0.1"]
-    for env_steps in (128, 256):  # stopped and resumed: the verdict is kept in the checkpoint
-        assert main([*args, f"env_steps={env_steps}", f"run_dir={tmp_path / 'judged'}", "algo.floor_reach=0.2"]) == 0
-    assert main([*args, "env_steps=256", f"run_dir={tmp_path / 'plain'}"]) == 0
-    judged, plain = read_metrics(tmp_path / "judged"), read_metrics(tmp_path / "plain")
-    assert [row["step"] for row in judged if "eval/deployed_reach" in row] == [128, 256]
-    assert all(row["eval/deployed_reach"] == 0.2 for row in judged if "eval/deployed_reach" in row)
-    training = [[row.get("train/approx_kl") for row in rows if "train/approx_kl" in row] for rows in (judged, plain)]
-    assert training[0] == training[1] and training[0]  # the rollouts act at the full residual either way
-    for name in ("last", "best"):
-        agent = json.loads((tmp_path / "judged" / "checkpoints" / name / "agent.json").read_text())
-        assert agent["config"]["action_scale"] == pytest.approx(0.1 * 0.2)
-    agent = json.loads((tmp_path / "plain" / "checkpoints" / "last" / "agent.json").read_text())
-    assert agent["config"]["action_scale"] == pytest.approx(0.1)
+    """algo.deploy=judged (the default): two evaluations on the same episodes at every evaluation after the start
+    (4 paired episodes never resolve a win: p >= 1/16), so the agent files of every checkpoint stay the pretrained
+    weights (those of a run stopped at 128 and resumed to 256 are those of one stopped at 128), while training goes
+    on from the current weights: the same training rows as algo.deploy=latest, whose agent moves."""
+    args = ["finetune", f"checkpoint={checkpoints / 'flow'}", "eval_every=128", "eval_episodes=4", *TINY, *RESIDUAL,
+            "algo.base_reg_coef=0", "algo.base_reg_decay_steps=null", "algo.base_reg_window=null", "algo.high_start=null"]
+    for env_steps in (128, 256):  # stopped and resumed: the deployed weights are kept in the checkpoint
+        assert main([*args, f"env_steps={env_steps}", f"run_dir={tmp_path / 'judged'}"]) == 0
+        (tmp_path / f"agent_{env_steps}").write_bytes(
+            (tmp_path / "judged" / "checkpoints" / "last" / "agent.safetensors").read_bytes())
+    assert main([*args, "env_steps=256", f"run_dir={tmp_path / 'latest'}", "algo.deploy=latest"]) == 0
+    judged, latest = read_metrics(tmp_path / "judged"), read_metrics(tmp_path / "latest")
+    assert [(row["step"], row["eval/deployed_step"]) for row in judged if "eval/deployed_step" in row] == [(128, 0), (256, 0)]
+    assert not any("eval/deployed_step" in row for row in latest)
+    evaluations = [row["eval/success_rate"] for row in judged if "eval/success_rate" in row]
+    assert len(evaluations) == 3 and len(set(evaluations)) == 1  # the same weights on the same episodes
+    training = [[row.get("train/approx_kl") for row in rows if "train/approx_kl" in row] for rows in (judged, latest)]
+    assert training[0] == training[1] and training[0]  # the rollouts act with the current weights either way
+    assert (tmp_path / "agent_128").read_bytes() == (tmp_path / "agent_256").read_bytes()
+    state = torch.load(tmp_path / "judged" / "checkpoints" / "last" / "training_state" / "state.pt", weights_only=True)
+    assert state["loop"]["judged_weights"]["step"] == 0
+    moved = (tmp_path / "latest" / "checkpoints" / "last" / "agent.safetensors").read_bytes()
+    assert moved != (tmp_path / "agent_256").read_bytes()
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ([*RESIDUAL, "algo.floor_reach=1.0"], "algo.floor_reach must be in (0, 1) or null"),
-    (["algo=dppo", "algo.floor_reach=0.2"], "algo.floor_reach must be null unless algo.actor is a residual"),
-])
-def test_a_bad_floor_reach_exits_2(checkpoints, tmp_path, capsys, overrides, message):  # noqa: F811
+def test_a_bad_deploy_exits_2(checkpoints, tmp_path, capsys):  # noqa: F811
     assert main(["finetune", f"checkpoint={checkpoints / 'flow'}", f"run_dir={tmp_path / 'r'}", *TINY,
-                 *overrides]) == 2
-    assert message in capsys.readouterr().err
+                 *RESIDUAL, "algo.deploy=best"]) == 2
+    assert "algo.deploy must be judged or latest" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
 
 

@@ -290,3 +290,50 @@ def test_the_judged_evaluation_reports_and_checkpoints_the_deployed_reach():
     assert calls[1:] == [(0.2, "step_20_reach_0.20"), (0.8, "step_20_reach_0.80")]
     assert info["reach"] == 0.8 and learner.reach == 0.8 and metrics["eval/deployed_reach"] == 0.8
     assert metrics["eval/floor_success_rate"] == 0.75 and metrics["eval/train_reach_success_rate"] == 1.0
+
+
+def test_judged_weights_deploy_the_current_weights_only_when_they_win_and_checkpoints_act_with_the_deployed(tmp_path):
+    """The start is one plain evaluation; later ones score the deployed weights, then the current ones, on the same
+    episodes. A tie keeps the deployed weights (what is reported and saved), however far training moved; a paired
+    win copies the current ones; a later loss does not take them back. The actor always trains on its own weights."""
+    from embodied_rl.algos.wsrl import JudgedWeights
+
+    class Actor(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.frozen = torch.nn.Parameter(torch.ones(1), requires_grad=False)
+            self.register_buffer("count", torch.zeros(1))
+
+        def save(self, directory):
+            (directory / "w.txt").write_text(f"{float(self.w):g}")
+
+    actor, calls = Actor(), []
+
+    def evaluation(step, video_name=None):  # w = 0 succeeds on 10 of 20 episodes, w = 1 on all, w = 2 on 8
+        calls.append((float(actor.w.detach()), video_name))
+        wins = {0.0: 10, 1.0: 20, 2.0: 8}[float(actor.w.detach())]
+        episodes = [{"episode": k, "success": k < wins} for k in reversed(range(20))]
+        return {"per_episode": episodes, "w": float(actor.w.detach())}, {"eval/success_rate": wins / 20}
+
+    judged = JudgedWeights(evaluation, actor)
+    assert judged(0)[0]["w"] == 0.0 and calls == [(0.0, None)]  # nothing trained yet: one evaluation
+    with torch.no_grad():
+        actor.w.fill_(2.0)  # trained, and worse: 2 paired losses, no win
+    info, metrics = judged(10)
+    assert calls[1:] == [(0.0, "step_10_deployed"), (2.0, "step_10_current")] and float(actor.w.detach()) == 2.0
+    assert info["w"] == 0.0 and metrics["eval/deployed_success_rate"] == 0.5 and metrics["eval/deployed_step"] == 0
+    judged.write_agent(tmp_path)
+    assert (tmp_path / "w.txt").read_text() == "0" and float(actor.w.detach()) == 2.0
+    with torch.no_grad():
+        actor.w.fill_(1.0)  # 10 paired wins: p = 2^-10
+    info, metrics = judged(20)
+    assert info["w"] == 1.0 and metrics["eval/current_success_rate"] == 1.0 and metrics["eval/deployed_step"] == 20
+    assert judged(20)[0]["w"] == 1.0 and len(calls) == 6  # the current weights are the deployed ones: one evaluation
+    with torch.no_grad():
+        actor.w.fill_(2.0)
+    assert judged(30)[0]["w"] == 1.0  # the winner stays
+    restored = JudgedWeights(evaluation, Actor())
+    restored.load_state_dict(judged.state_dict())
+    assert restored.deployed_step == 20 and float(restored.deployed["w"]) == 1.0 and "frozen" not in restored.deployed
+    assert set(restored.deployed) == {"w", "count"}
