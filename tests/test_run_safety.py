@@ -197,7 +197,8 @@ def test_finetune_and_eval_write_a_report(checkpoints, tmp_path, capsys):  # noq
     assert report.startswith("# Fine-tuning: reach with residual_ppo")
     assert "| start (step 0) |" in report and "| fine-tuned (step 64) |" in report
     assert "](plots/learning_curve.png)" in report and (run_dir / "plots" / "learning_curve.png").is_file()
-    assert "](videos/step_64/episode_0.mp4)" in report and "tensorboard --logdir" in report
+    # what acts is judged (algo.deploy): 4 paired episodes never resolve a win, so the deployed weights' videos
+    assert "](videos/step_64_deployed/episode_0.mp4)" in report and "tensorboard --logdir" in report
     assert "- wall s: " in report
 
     assert main(["eval", "task=reach", f"checkpoint={run_dir}", "episodes=2", "num_envs=2", "videos=1",

@@ -316,9 +316,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     evaluation = EnvEvaluation(cfg, run, lambda n: ActorAgent(actor.for_eval(n), n, deterministic=True),
                                policy.env_options())
     judged = JudgedWeights(evaluation, actor) if algo.deploy == "judged" else None
-    if judged is not None:
-        evaluation = judged
-    loop = FinetuneLoop(cfg, run, evaluation)
+    loop = FinetuneLoop(cfg, run, evaluation if judged is None else judged)
     loop.counters["iteration"] = 0
     modules = {"actor": actor}
     # ReMix: the rollouts the next update replays
@@ -380,8 +378,8 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
             state["judged_weights"] = judged.state_dict()
         return state
 
-    if judged is not None and saved is not None and "judged_weights" in saved:  # (a checkpoint from before
-        judged.load_state_dict(saved["judged_weights"])  # judging: the pretrained weights stay deployed)
+    if judged is not None and saved is not None and "judged_weights" in saved:  # absent: written before judging
+        judged.load_state_dict(saved["judged_weights"])
     # judging needs evaluations: with eval_every=0 the start and the end are evaluated, and the end judged
     loop.start(f"finetune {algo.name}",
                evaluate_start=judged is not None or (earned is not None and algo.high_start is not None))
