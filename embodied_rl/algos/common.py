@@ -40,6 +40,9 @@ supplies its own evaluation (held-out pass@1) and checkpoint files (the model an
   algorithm's loop state (env state, per-env histories and queues, replay buffer), so a resumed
   run continues as if never stopped. `save_replay=false` leaves the replay buffer out (smaller
   checkpoints; the resumed run refills it).
+- What acts may be judged: an evaluation that decides what acts (wsrl.JudgedWeights: the last weights
+  that won a paired evaluation) has a state the checkpoint keeps (`state_dict`), and one that
+  `judges` is run at the start and the end even with eval_every=0.
 - Divergence: weights and optimiser state are checked finite before every checkpoint write, and
   algorithms check their losses and gradient norms; a non-finite value logs its row and raises
   `Diverged`, which the CLI turns into one line and exit code 3. checkpoints/last stays the last
@@ -728,6 +731,8 @@ class FinetuneLoop:
             for name, optimizer in optimizers.items():
                 optimizer.load_state_dict(saved_optimizers[name])
             set_rng_state(state["rng"])
+            if state.get("evaluation") is not None:  # rank 0's: the one that evaluates
+                self.evaluation.load_state_dict(state["evaluation"])
             self.counters.update(counters)
             self.counters.pop("step", None)
             self.window = {key: state["window"][key].tolist() if key in state["window"] else []
@@ -756,7 +761,7 @@ class FinetuneLoop:
         resumed run whose checkpoint was evaluated before the stop weighs that evaluation for
         checkpoints/best (a kill may have come between the two writes). A run evaluated at its start
         is evaluated at its end too (finish)."""
-        self.evaluates_ends = self.evaluator.every > 0 or evaluate_start
+        self.evaluates_ends = self.evaluator.every > 0 or evaluate_start or getattr(self.evaluation, "judges", False)
         if self.resumed_from is None and self.evaluates_ends and distributed.is_main():
             self.evaluate(0, force=True)
         elif self.evaluator.last_step == self.step and (self.best or {}).get("step") != self.step:
@@ -908,6 +913,7 @@ class FinetuneLoop:
         if not distributed.is_main():
             return path
         counters = {**self.counters, **self.evaluator.clock(), "ranks": distributed.world_size(), "step": self.step}
+        evaluation = self.evaluation.state_dict() if hasattr(self.evaluation, "state_dict") else None
         window = {key: torch.tensor(values, dtype=torch.float64) for key, values in self.window.items()}
 
         def fill(directory: Path) -> None:
@@ -915,8 +921,8 @@ class FinetuneLoop:
             state_dir = directory / TRAINING_STATE
             state_dir.mkdir()
             torch.save(optimizers, state_dir / "optimizers.pt")
-            torch.save({"rng": rng_state(), "modules": modules, "loop": loop_state, "window": window},
-                       state_dir / "state.pt")
+            torch.save({"rng": rng_state(), "modules": modules, "loop": loop_state, "window": window,
+                        "evaluation": evaluation}, state_dir / "state.pt")
             if replay is not None:
                 torch.save(replay, state_dir / REPLAY)
             for rank, rank_state in enumerate(other_ranks[1:], start=1):

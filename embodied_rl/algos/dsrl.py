@@ -51,7 +51,7 @@ from embodied_rl.algos.common import (
     env_snapshot,
     reward_settings,
 )
-from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart
+from embodied_rl.algos.wsrl import CRITIC, FULL, WARMUP, WarmStart, deploy_check, judged_deployment
 from embodied_rl.errors import UserError
 from embodied_rl.policies import executed_actions
 
@@ -338,6 +338,7 @@ class DSRLConfig(AlgoConfig):
     action_critics: int | None  # DSRL-NA only
     actor_q: str | None         # DSRL-NA only: noise_critic (Q_W) | action_critic (Q_A through the base sampler)
     value_expectile: float | None  # DSRL-NA only: null (TD on the actor's next chunk) or IQL's expectile in (0, 1)
+    deploy: str                # judged | latest: what evaluations and checkpoints act with (algos/wsrl.py JudgedWeights)
 
     @classmethod
     def from_cfg(cls, algo: Any) -> DSRLConfig:
@@ -355,6 +356,7 @@ class DSRLConfig(AlgoConfig):
             ("activation", self.activation in ACTIVATIONS, " or ".join(ACTIVATIONS)),
             ("n_critics", self.n_critics >= 1, ">= 1"),
             ("lr", self.lr > 0, "> 0"),
+            deploy_check(self.deploy),
             ("buffer_size", self.buffer_size >= 1, ">= 1"),
             ("batch_size", self.batch_size >= 1, ">= 1"),
             ("gamma", 0.0 <= self.gamma <= 1.0, "in [0, 1]"),
@@ -529,9 +531,11 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     model = make_dsrl(algo, vec_env, seed=int(cfg.seed), device=str(cfg.device))
     config = _agent_config(algo, vec_env)
 
-    loop = FinetuneLoop(cfg, run, EnvEvaluation(cfg, run, noise_agent_factory(model, policy, algo), policy.env_options()))
-    saved = loop.resume({"learner": _Learner(model)}, _optimizers(model),
-                        lambda path: save_agent(path, AGENT_KIND, config, model.policy.state_dict(), policy))
+    evaluation, write_agent = judged_deployment(
+        algo.deploy, EnvEvaluation(cfg, run, noise_agent_factory(model, policy, algo), policy.env_options()),
+        model.policy, lambda path: save_agent(path, AGENT_KIND, config, model.policy.state_dict(), policy))
+    loop = FinetuneLoop(cfg, run, evaluation)
+    saved = loop.resume({"learner": _Learner(model)}, _optimizers(model), write_agent)
     if saved is not None:
         vec_env.load_state_dict(saved["vec_env"])
     if saved is None or saved["env"] is None:  # new episodes: a new run, or a backend without snapshots

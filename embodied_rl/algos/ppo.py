@@ -63,7 +63,8 @@ from embodied_rl.algos.wsrl import (
     FIRST_REACH,
     FULL,
     EarnedReach,
-    JudgedWeights,
+    deploy_check,
+    judged_deployment,
     visible_success,
 )
 from embodied_rl.envs.api import step_chunk
@@ -155,7 +156,7 @@ class PPOConfig(AlgoConfig):
             ("base_reg_window", self.base_reg_window is None or (self.base_reg_coef > 0 and not grpo),
              "null unless algo.base_reg_coef > 0 and PPO (it releases that regulariser by training success)"),
             ("high_start", self.high_start is None or 0.0 <= self.high_start <= 1.0, "in [0, 1] or null"),
-            ("deploy", self.deploy in ("judged", "latest"), "judged or latest"),
+            deploy_check(self.deploy),
             ("target_kl", self.target_kl is None or self.target_kl > 0, "> 0 or null"),
             ("critic_warmup_iters", self.critic_warmup_iters >= 0, ">= 0"),
             ("max_grad_norm", self.max_grad_norm > 0, "> 0"),
@@ -313,10 +314,10 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
 
     # algo.deploy=judged: evaluations and checkpoints act with the last weights that won a paired evaluation,
     # the pretrained ones until then (algos/wsrl.py JudgedWeights); training goes on from the current ones
-    evaluation = EnvEvaluation(cfg, run, lambda n: ActorAgent(actor.for_eval(n), n, deterministic=True),
-                               policy.env_options())
-    judged = JudgedWeights(evaluation, actor) if algo.deploy == "judged" else None
-    loop = FinetuneLoop(cfg, run, evaluation if judged is None else judged)
+    evaluation, write_agent = judged_deployment(
+        algo.deploy, EnvEvaluation(cfg, run, lambda n: ActorAgent(actor.for_eval(n), n, deterministic=True),
+                                   policy.env_options()), actor, actor.save)
+    loop = FinetuneLoop(cfg, run, evaluation)
     loop.counters["iteration"] = 0
     modules = {"actor": actor}
     # ReMix: the rollouts the next update replays
@@ -325,7 +326,7 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
     if algo.reincarnate_at is not None and algo.base_reg_coef > 0:
         anchor = copy.deepcopy(actor).requires_grad_(False)
         modules["anchor"] = anchor
-    saved = loop.resume(modules, {"optimizer": optimizer}, actor.save if judged is None else judged.write_agent)
+    saved = loop.resume(modules, {"optimizer": optimizer}, write_agent)
     # the earned anchor: after its schedule, the anchor keeps the weight coef * (1 - release); the
     # release starts near 0 and grows (or shrinks) with the success of the training episodes against
     # those of the critic warm-up, which the untouched actor ran (EarnedReach's verdicts)
@@ -374,15 +375,9 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         if earned is not None:
             state["earned_anchor"], state["episode_regime"] = earned.state_dict(), episode_regime
             state["anchor_earned"] = anchor_earned
-        if judged is not None:
-            state["judged_weights"] = judged.state_dict()
         return state
 
-    if judged is not None and saved is not None and "judged_weights" in saved:  # absent: written before judging
-        judged.load_state_dict(saved["judged_weights"])
-    # judging needs evaluations: with eval_every=0 the start and the end are evaluated, and the end judged
-    loop.start(f"finetune {algo.name}",
-               evaluate_start=judged is not None or (earned is not None and algo.high_start is not None))
+    loop.start(f"finetune {algo.name}", evaluate_start=earned is not None and algo.high_start is not None)
     # the release is earned at a high start (the base policy's own first evaluation reaches algo.high_start):
     # there RL has little to add and its noise much to take (docs/finetuning.md, "Conservative start of residual PPO")
     if earned is None:

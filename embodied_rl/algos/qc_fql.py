@@ -53,6 +53,7 @@ from embodied_rl.algos.offpolicy import (
     polyak,
     random_pair_min,
 )
+from embodied_rl.algos.wsrl import deploy_check, judged_deployment
 from embodied_rl.errors import UserError
 from embodied_rl.policies.runner import executed_actions
 
@@ -66,6 +67,7 @@ class QCFQLConfig(OffPolicyConfig):
     alpha: float
     offline_updates: int
     bootstrap_truncation: Any
+    deploy: str
 
     def checks(self) -> list[tuple[str, bool, str]]:
         return [
@@ -76,6 +78,7 @@ class QCFQLConfig(OffPolicyConfig):
             ("batch_size", self.batch_size >= 2, ">= 2"),
             ("demo_fraction", 0.0 <= self.demo_fraction <= 1.0, "in [0, 1]"),
             ("offline_updates", self.offline_updates >= 0, ">= 0"),
+            deploy_check(self.deploy),
         ]
 
 
@@ -176,7 +179,10 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     def make_agent(n: int) -> OneStepAgent:
         return OneStepAgent(learner.actor, policy, n)
 
-    loop = FinetuneLoop(cfg, run, EnvEvaluation(cfg, run, make_agent, policy.env_options()))
+    # judged: the deployed weights start as the one-step policy after its offline pre-training (the start's evaluation)
+    evaluation, write_agent = judged_deployment(algo.deploy, EnvEvaluation(cfg, run, make_agent, policy.env_options()),
+                                                torch.nn.ModuleList([learner.actor, learner.critic]), write_agent)
+    loop = FinetuneLoop(cfg, run, evaluation)
     loop.counters.setdefault("offline_updates", 0)
     saved = loop.resume({"learner": learner}, learner.optimizers(), write_agent)
 

@@ -54,6 +54,7 @@ from embodied_rl.algos.common import (
     training_reward,
 )
 from embodied_rl.algos.offpolicy import dataset_obs, find_demo_path
+from embodied_rl.algos.wsrl import deploy_check, judged_deployment
 from embodied_rl.errors import UserError
 from embodied_rl.policies.runner import index_obs, map_obs
 
@@ -83,6 +84,7 @@ class RecapConfig(AlgoConfig):
     value_lr: float
     value_hidden: int
     data: str | None
+    deploy: str
 
     def checks(self) -> list[tuple[str, bool, str]]:
         return [
@@ -98,6 +100,7 @@ class RecapConfig(AlgoConfig):
             ("policy_updates", self.policy_updates >= 1, ">= 1"),
             ("batch_size", self.batch_size >= 2, ">= 2"),
             ("lr", self.lr > 0, "> 0"),
+            deploy_check(self.deploy),
             ("indicator_lr", self.indicator_lr > 0, "> 0"),
             ("grad_clip", self.grad_clip > 0, "> 0"),
             ("value_updates", self.value_updates >= 1, ">= 1"),
@@ -289,7 +292,9 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     def make_eval_agent(n: int) -> RecapAgent:
         return RecapAgent(policy, indicator, n, algo.guidance)
 
-    loop = FinetuneLoop(cfg, run, EnvEvaluation(cfg, run, make_eval_agent, policy.env_options()))
+    evaluation, write_agent = judged_deployment(algo.deploy, EnvEvaluation(cfg, run, make_eval_agent, policy.env_options()),
+                                                torch.nn.ModuleList([policy, indicator]), write_agent)
+    loop = FinetuneLoop(cfg, run, evaluation)
     loop.counters["iteration"] = 0
     saved = loop.resume({"policy": policy, "indicator": indicator, "value": value},
                         {"policy": policy_optimizer, "value": value_optimizer}, write_agent)

@@ -57,6 +57,7 @@ from embodied_rl.algos.offpolicy import (
     polyak,
     random_pair_min,
 )
+from embodied_rl.algos.wsrl import deploy_check, judged_deployment
 from embodied_rl.errors import UserError
 from embodied_rl.policies import PolicyRunner
 from embodied_rl.policies.checkpoint import write_policy_files
@@ -74,6 +75,7 @@ class SACFlowConfig(OffPolicyConfig):
     critic_only_steps: int
     action_reg: float
     bootstrap_truncation: Any
+    deploy: str
 
     def checks(self) -> list[tuple[str, bool, str]]:
         return [
@@ -85,6 +87,7 @@ class SACFlowConfig(OffPolicyConfig):
             ("demo_fraction", 0.0 <= self.demo_fraction < 1.0, "in [0, 1)"),
             ("critic_only_steps", self.critic_only_steps >= 0, ">= 0"),
             ("action_reg", self.action_reg >= 0, ">= 0"),
+            deploy_check(self.deploy),
         ]
 
 
@@ -237,7 +240,9 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     def make_agent(n: int) -> PolicyRunner:
         return PolicyRunner(learner.chain.ft, n)
 
-    loop = FinetuneLoop(cfg, run, EnvEvaluation(cfg, run, make_agent, policy.env_options()))
+    evaluation, write_agent = judged_deployment(algo.deploy, EnvEvaluation(cfg, run, make_agent, policy.env_options()),
+                                                learner.chain.ft, write_agent)
+    loop = FinetuneLoop(cfg, run, evaluation)
     saved = loop.resume({"learner": learner}, learner.optimizers(), write_agent)
     data.start(saved, seed + loop.env_steps)
 

@@ -284,9 +284,9 @@ class JudgedEvaluation:
 
 
 class JudgedWeights:
-    """The run's evaluation for the PPO family (residual PPO, DPPO, ReinFlow, Flow-SDE, ...): what
-    evaluations and checkpoints act with is the last weights that won a paired evaluation, the
-    pretrained policy's until the first win.
+    """The run's evaluation for a method that trains what acts (the PPO family, SAC Flow, QC-FQL,
+    RECAP, DSRL; `algo.deploy: judged`): what evaluations and checkpoints act with is the last weights
+    that won a paired evaluation, the pretrained policy's until the first win.
 
     Every evaluation after training moved the weights scores two sets of weights on the same episodes:
     the deployed ones and the current ones. The current ones become the deployed ones (a copy) when they
@@ -299,17 +299,23 @@ class JudgedWeights:
     Why a copy and not a residual scaled to a floor (JudgedReach, residual TD3's rule): PPO's Gaussian
     mean is unbounded, so a fixed fraction of it walks with training (Meta-World peg-insert-side: 0.2
     of the residual fell from .91 to .67 by 250k env steps while the full residual read .14-.18); and
-    DPPO, ReinFlow and Flow-SDE train the policy's own weights, with no residual to scale.
-    What is copied: the trainable parameters and every buffer (the frozen base policy's weights never
-    change)."""
+    the methods that train the policy's own weights have no residual to scale.
+    `acting` is the module (an nn.ModuleList for several) whose weights decide what the evaluation's
+    agent and `write_agent(dir)` act with; what is copied: its trainable parameters and every buffer
+    (a frozen base policy's weights never change). The loop keeps `state_dict()` in its checkpoints
+    and evaluates the start and the end of a run even with eval_every=0 (`judges`)."""
 
-    def __init__(self, evaluation: Any, actor: Any, alpha: float = 0.05):
-        self.evaluation, self.actor, self.alpha = evaluation, actor, alpha
-        self.deployed = _trained_state(actor)  # the deployed weights: the pretrained policy's at the start
+    judges = True
+
+    def __init__(self, evaluation: Any, acting: torch.nn.Module, write_agent: Any, alpha: float = 0.05):
+        self.evaluation, self.acting, self.alpha = evaluation, acting, alpha
+        self._write_agent = write_agent
+        self.deployed = _trained_state(acting)  # the deployed weights: the pretrained policy's at the start
         self.deployed_step = 0  # the step they were trained to: while the current ones are that step's, they are the same
 
     def __call__(self, step: int) -> tuple[dict[str, Any], dict[str, float]]:
-        if step == self.deployed_step:  # nothing trained since the start or the last win
+        if step == self.deployed_step:  # nothing trained since the start (or any offline pre-training) or the last win
+            self.deployed = _trained_state(self.acting)
             return self.evaluation(step)
         with self.acting_deployed():
             deployed_run = self.evaluation(step, f"step_{step}_deployed")
@@ -318,7 +324,7 @@ class JudgedWeights:
         current_wins = sum(1 for d, c in zip(deployed, current) if c and not d)
         deployed_wins = sum(1 for d, c in zip(deployed, current) if d and not c)
         if sign_test(current_wins, deployed_wins) < self.alpha:
-            self.deployed, self.deployed_step = _trained_state(self.actor), step
+            self.deployed, self.deployed_step = _trained_state(self.acting), step
         info, metrics = current_run if self.deployed_step == step else deployed_run
         return info, {**metrics, "eval/deployed_success_rate": sum(deployed) / len(deployed),
                       "eval/current_success_rate": sum(current) / len(current),
@@ -326,18 +332,18 @@ class JudgedWeights:
 
     @contextlib.contextmanager
     def acting_deployed(self) -> Iterator[None]:
-        """The actor with the deployed weights inside the block, its current ones again after it."""
-        current = _trained_state(self.actor)
-        _load_trained_state(self.actor, self.deployed)
+        """The deployed weights inside the block, the current ones again after it."""
+        current = _trained_state(self.acting)
+        _load_trained_state(self.acting, self.deployed)
         try:
             yield
         finally:
-            _load_trained_state(self.actor, current)
+            _load_trained_state(self.acting, current)
 
     def write_agent(self, directory: Any) -> None:
         """A checkpoint's agent files: the deployed weights."""
         with self.acting_deployed():
-            self.actor.save(directory)
+            self._write_agent(directory)
 
     def record(self, info: dict[str, Any]) -> dict[str, Any]:
         return self.evaluation.record(info)
@@ -353,6 +359,20 @@ class JudgedWeights:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.deployed, self.deployed_step, self.alpha = state["weights"], int(state["step"]), float(state["alpha"])
+
+
+def judged_deployment(deploy: str, evaluation: Any, acting: torch.nn.Module, write_agent: Any) -> tuple[Any, Any]:
+    """The run's (evaluation, write_agent) under `algo.deploy`: judged, JudgedWeights over `acting`;
+    latest, the plain ones (the weights of the moment act)."""
+    if deploy == "latest":
+        return evaluation, write_agent
+    judged = JudgedWeights(evaluation, acting, write_agent)
+    return judged, judged.write_agent
+
+
+def deploy_check(deploy: str) -> tuple[str, bool, str]:
+    """The check of `algo.deploy` in every config that has it (AlgoConfig.checks)."""
+    return "deploy", deploy in ("judged", "latest"), "judged or latest"
 
 
 def _trained_state(module: torch.nn.Module) -> dict[str, Tensor]:

@@ -236,6 +236,19 @@ def test_a_resumed_run_continues_exactly_as_if_never_stopped(algo, policy, extra
     trained = {key for step, row in expected.items() if step > 64 for key in row}
     assert trained & {"train/policy_loss", "train/actor_loss", "train/bc_loss"}  # the policy trains after the resume
     assert read_best(parts / "checkpoints") == read_best(whole / "checkpoints") is not None  # it knows its best
+    # what acts is judged on paired evaluations (algo.deploy; residual TD3's own rule: algo.floor_reach), and the
+    # verdicts survive the resume: the same evaluation rows
+    assert eval_rows(parts) == eval_rows(whole)
+    judges_weights = ALGOS[algo] != "embodied_rl.algos.residual_offpolicy"
+    evaluations = eval_rows(whole)
+    assert len(evaluations) >= 3 and [step for step, row in evaluations.items() if "eval/deployed_step" in row] == (
+        [step for step in evaluations if step > 0] if judges_weights else [])
+
+
+def eval_rows(run_dir):
+    """Evaluation rows by step, timings dropped."""
+    return {row["step"]: {k: v for k, v in row.items() if k.startswith("eval/") and not k.endswith("_s")}
+            for row in read_metrics(run_dir) if "eval/success_rate" in row}
 
 
 def test_a_gpu_runs_rng_state_holds_its_cuda_generator(monkeypatch, tmp_path):
@@ -375,7 +388,7 @@ def test_judged_ppo_keeps_the_pretrained_weights_deployed_until_current_ones_win
     assert training[0] == training[1] and training[0]  # the rollouts act with the current weights either way
     assert (tmp_path / "agent_128").read_bytes() == (tmp_path / "agent_256").read_bytes()
     state = torch.load(tmp_path / "judged" / "checkpoints" / "last" / "training_state" / "state.pt", weights_only=True)
-    assert state["loop"]["judged_weights"]["step"] == 0
+    assert state["evaluation"]["step"] == 0
     moved = (tmp_path / "latest" / "checkpoints" / "last" / "agent.safetensors").read_bytes()
     assert moved != (tmp_path / "agent_256").read_bytes()
 

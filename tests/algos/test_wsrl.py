@@ -306,7 +306,7 @@ def test_judged_weights_deploy_the_current_weights_only_when_they_win_and_checkp
             self.register_buffer("count", torch.zeros(1))
 
         def save(self, directory):
-            (directory / "w.txt").write_text(f"{float(self.w):g}")
+            (directory / "w.txt").write_text(f"{float(self.w.detach()):g}")
 
     actor, calls = Actor(), []
 
@@ -316,7 +316,7 @@ def test_judged_weights_deploy_the_current_weights_only_when_they_win_and_checkp
         episodes = [{"episode": k, "success": k < wins} for k in reversed(range(20))]
         return {"per_episode": episodes, "w": float(actor.w.detach())}, {"eval/success_rate": wins / 20}
 
-    judged = JudgedWeights(evaluation, actor)
+    judged = JudgedWeights(evaluation, actor, actor.save)
     assert judged(0)[0]["w"] == 0.0 and calls == [(0.0, None)]  # nothing trained yet: one evaluation
     with torch.no_grad():
         actor.w.fill_(2.0)  # trained, and worse: 2 paired losses, no win
@@ -333,7 +333,7 @@ def test_judged_weights_deploy_the_current_weights_only_when_they_win_and_checkp
     with torch.no_grad():
         actor.w.fill_(2.0)
     assert judged(30)[0]["w"] == 1.0  # the winner stays
-    restored = JudgedWeights(evaluation, Actor())
+    restored = JudgedWeights(evaluation, Actor(), None)
     restored.load_state_dict(judged.state_dict())
     assert restored.deployed_step == 20 and float(restored.deployed["w"]) == 1.0 and "frozen" not in restored.deployed
     assert set(restored.deployed) == {"w", "count"}
