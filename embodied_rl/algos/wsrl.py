@@ -242,7 +242,24 @@ class JudgedReach:
         self.floor, self.alpha, self.promoted = float(state["floor"]), float(state["alpha"]), bool(state["promoted"])
 
 
-class JudgedEvaluation:
+class WrappedEvaluation:
+    """An evaluation around the run's EnvEvaluation (`evaluation`): what the loop asks of it besides a
+    call (the best checkpoint's record, the headline, closing) is the wrapped one's."""
+
+    def __init__(self, evaluation: Any):
+        self.evaluation = evaluation
+
+    def record(self, info: dict[str, Any]) -> dict[str, Any]:
+        return self.evaluation.record(info)
+
+    def headline(self, info: dict[str, Any]) -> dict[str, Any]:
+        return self.evaluation.headline(info)
+
+    def close(self) -> None:
+        self.evaluation.close()
+
+
+class JudgedEvaluation(WrappedEvaluation):
     """The run's evaluation under JudgedReach: the residual is scored on the same episodes at the
     floor and at the training reach (`train_reach`, which the loop keeps), the verdict sets the
     deployed reach, and the deployed one's evaluation is the run's (videos of both, under
@@ -252,7 +269,8 @@ class JudgedEvaluation:
     what the evaluation's agent (and a checkpoint written next) acts with (residual TD3/SAC's learner)."""
 
     def __init__(self, evaluation: Any, learner: Any):
-        self.evaluation, self.learner = evaluation, learner
+        super().__init__(evaluation)
+        self.learner = learner
         self.judged: JudgedReach | None = None
         self.train_reach = 1.0
 
@@ -272,18 +290,8 @@ class JudgedEvaluation:
         return info, {**metrics, "eval/floor_success_rate": sum(floor) / len(floor),
                       "eval/train_reach_success_rate": sum(trained) / len(trained), "eval/deployed_reach": deployed}
 
-    def record(self, info: dict[str, Any]) -> dict[str, Any]:
-        return self.evaluation.record(info)
 
-    def headline(self, info: dict[str, Any]) -> dict[str, Any]:
-        return self.evaluation.headline(info)
-
-    def close(self) -> None:
-        self.evaluation.close()
-
-
-
-class JudgedWeights:
+class JudgedWeights(WrappedEvaluation):
     """The run's evaluation for a method that trains what acts (the PPO family, SAC Flow, QC-FQL,
     RECAP, DSRL; `algo.deploy: judged`): what evaluations and checkpoints act with is the last weights
     that won a paired evaluation, the pretrained policy's until the first win.
@@ -308,7 +316,8 @@ class JudgedWeights:
     judges = True
 
     def __init__(self, evaluation: Any, acting: torch.nn.Module, write_agent: Any, alpha: float = 0.05):
-        self.evaluation, self.acting, self.alpha = evaluation, acting, alpha
+        super().__init__(evaluation)
+        self.acting, self.alpha = acting, alpha
         self._write_agent = write_agent
         self.deployed = _trained_state(acting)  # the deployed weights: the pretrained policy's at the start
         self.deployed_step = 0  # the step they were trained to: while the current ones are that step's, they are the same
@@ -344,15 +353,6 @@ class JudgedWeights:
         """A checkpoint's agent files: the deployed weights."""
         with self.acting_deployed():
             self._write_agent(directory)
-
-    def record(self, info: dict[str, Any]) -> dict[str, Any]:
-        return self.evaluation.record(info)
-
-    def headline(self, info: dict[str, Any]) -> dict[str, Any]:
-        return self.evaluation.headline(info)
-
-    def close(self) -> None:
-        self.evaluation.close()
 
     def state_dict(self) -> dict[str, Any]:
         return {"weights": self.deployed, "step": self.deployed_step, "alpha": self.alpha}
