@@ -228,8 +228,7 @@ class JudgedReach:
 
     def judge(self, floor_successes: list[bool], train_successes: list[bool]) -> None:
         """One evaluation's paired episodes (the same initial states, in order) move the deployed reach."""
-        train_wins = sum(1 for f, t in zip(floor_successes, train_successes) if t and not f)
-        floor_wins = sum(1 for f, t in zip(floor_successes, train_successes) if f and not t)
+        train_wins, floor_wins = paired_wins(train_successes, floor_successes)
         if not self.promoted and sign_test(train_wins, floor_wins) < self.alpha:
             self.promoted = True
         elif self.promoted and sign_test(floor_wins, train_wins) < self.alpha:
@@ -330,8 +329,7 @@ class JudgedWeights(WrappedEvaluation):
             deployed_run = self.evaluation(step, f"step_{step}_deployed")
         current_run = self.evaluation(step, f"step_{step}_current")
         deployed, current = (_episode_successes(run[0]) for run in (deployed_run, current_run))
-        current_wins = sum(1 for d, c in zip(deployed, current) if c and not d)
-        deployed_wins = sum(1 for d, c in zip(deployed, current) if d and not c)
+        current_wins, deployed_wins = paired_wins(current, deployed)
         if sign_test(current_wins, deployed_wins) < self.alpha:
             self.deployed, self.deployed_step = _trained_state(self.acting), step
         info, metrics = current_run if self.deployed_step == step else deployed_run
@@ -391,6 +389,11 @@ def _load_trained_state(module: torch.nn.Module, state: dict[str, Tensor]) -> No
 def _episode_successes(info: dict[str, Any]) -> list[bool]:
     """Per episode, in episode order (the same initial states at the same index across evaluations)."""
     return [bool(e["success"]) for e in sorted(info["per_episode"], key=lambda e: e["episode"])]
+
+
+def paired_wins(a: list[bool], b: list[bool]) -> tuple[int, int]:
+    """Over paired episodes: how many only `a` succeeded on, how many only `b`."""
+    return sum(1 for x, y in zip(a, b) if x and not y), sum(1 for x, y in zip(a, b) if y and not x)
 
 
 def sign_test(wins: int, losses: int) -> float:
