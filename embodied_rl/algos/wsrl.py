@@ -14,8 +14,8 @@ actor that still follows an immature critic can move the policy only a little (t
 BC that a full-reach start shows on tasks BC already solves).
 
 What evaluations and checkpoints act with is judged on paired evaluations: for residual TD3/SAC
-the residual scaled down to a floor until the training reach is ahead (`JudgedReach`); for the PPO
-family the last weights that beat the deployed ones (`JudgedWeights`). Residual PPO's anchor to the
+the residual scaled down to a floor until the training reach is ahead (`JudgedReach`); for every
+other method the last weights that beat the deployed ones (`JudgedWeights`). Residual PPO's anchor to the
 base policy is released only as far as training success earns (`EarnedReach`).
 
 Both lengths are in simulator env steps summed over all envs (the same clock as
