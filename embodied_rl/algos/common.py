@@ -41,8 +41,9 @@ supplies its own evaluation (held-out pass@1) and checkpoint files (the model an
   run continues as if never stopped. `save_replay=false` leaves the replay buffer out (smaller
   checkpoints; the resumed run refills it).
 - What acts may be judged: an evaluation that decides what acts (wsrl.JudgedWeights: the last weights
-  that won a paired evaluation) has a state the checkpoint keeps (`state_dict`), and one that
-  `judges` is run at the start and the end even with eval_every=0.
+  that won a paired evaluation; wsrl.JudgedEvaluation: the residual's reach that did) has a state the
+  checkpoint keeps (`state_dict`), and one that `judges` is run at the start and the end even with
+  eval_every=0.
 - Divergence: weights and optimiser state are checked finite before every checkpoint write, and
   algorithms check their losses and gradient norms; a non-finite value logs its row and raises
   `Diverged`, which the CLI turns into one line and exit code 3. checkpoints/last stays the last

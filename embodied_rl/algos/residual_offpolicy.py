@@ -78,7 +78,6 @@ from embodied_rl.algos.wsrl import (
     FULL,
     WARMUP,
     JudgedEvaluation,
-    JudgedReach,
     WarmStart,
 )
 from embodied_rl.errors import UserError
@@ -366,17 +365,13 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     def make_agent(n: int) -> ResidualAgent:
         return ResidualAgent(learner.actor, policy, n, algo.normalize_obs)
 
-    evaluation = JudgedEvaluation(EnvEvaluation(cfg, run, make_agent, policy.env_options()), learner)
-    loop = FinetuneLoop(cfg, run, evaluation)
-    saved = loop.resume({"learner": learner}, learner.optimizers(), write_agent)
     # every env trains at the ramp's reach; what evaluations and checkpoints act with is judged on
     # paired evaluations: the floor until the training reach is shown better (docs/finetuning.md, "What acts is judged").
     # Judging needs evaluations: with eval_every=0 the start and the end are evaluated, and the end judged
-    judged = JudgedReach(algo.floor_reach) if algo.floor_reach is not None else None
-    loop.start(f"finetune {algo.name}", evaluate_start=judged is not None)  # step 0: the base policy, unjudged
-    if judged is not None and saved is not None:
-        judged.load_state_dict(saved["judged_reach"])
-    evaluation.judged = judged
+    evaluation = JudgedEvaluation(EnvEvaluation(cfg, run, make_agent, policy.env_options()), learner, algo.floor_reach)
+    loop = FinetuneLoop(cfg, run, evaluation)
+    saved = loop.resume({"learner": learner}, learner.optimizers(), write_agent)
+    loop.start(f"finetune {algo.name}")  # step 0: the base policy, unjudged
     queue = PolicyRunner(policy, num_envs, seed=distributed.rank_seed(seed))
     window: list[dict[str, Tensor]] = []  # the last n_step steps, whose n-step returns are not complete yet
     stats: dict[str, float] = {}
@@ -401,7 +396,6 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         return {"env": env_snapshot(env), "obs": obs, "base": base, "window": window, "queue": queue.state_dict(),
                 "demo_generator": demo_generator.get_state(), "pending_updates": budget.state_dict(),
                 "replay": {"online": replay.state_dict(), "intervened": intervened.state_dict()},
-                "judged_reach": judged.state_dict() if judged is not None else None,
                 **takeover.state_dict(), **({"shaping": shaping.state()} if shaping is not None else {})}
 
     while loop.env_steps < loop.total_env_steps:
@@ -454,7 +448,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         if loop.log(row):
             takeover.window_logged()
         # what an evaluation or a checkpoint at this boundary acts with
-        learner.set_reach(judged.reach(reach) if judged is not None else reach)
+        learner.set_reach(evaluation.deployed_reach(reach))
         evaluation.train_reach = reach
         loop.boundary(loop_state)
     return loop.finish(loop_state)

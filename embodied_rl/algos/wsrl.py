@@ -259,19 +259,26 @@ class WrappedEvaluation:
 
 
 class JudgedEvaluation(WrappedEvaluation):
-    """The run's evaluation under JudgedReach: the residual is scored on the same episodes at the
-    floor and at the training reach (`train_reach`, which the loop keeps), the verdict sets the
+    """The run's evaluation under JudgedReach(`floor`): the residual is scored on the same episodes at
+    the floor and at the training reach (`train_reach`, which the loop keeps), the verdict sets the
     deployed reach, and the deployed one's evaluation is the run's (videos of both, under
-    videos/step_<step>_reach_<r>). Without a verdict to give (no JudgedReach: algo.floor_reach null;
+    videos/step_<step>_reach_<r>). Without a verdict to give (`floor` None: algo.floor_reach null;
     or the training reach still below the floor) it is the plain evaluation at the learner's reach.
     `evaluation(step, video_name)` is the run's EnvEvaluation; `learner.set_reach(fraction)` scales
-    what the evaluation's agent (and a checkpoint written next) acts with (residual TD3/SAC's learner)."""
+    what the evaluation's agent (and a checkpoint written next) acts with (residual TD3/SAC's learner).
+    As with JudgedWeights, the loop keeps the verdict in its checkpoints (`state_dict`) and, when
+    there is one to give, evaluates the start and the end of a run even with eval_every=0 (`judges`)."""
 
-    def __init__(self, evaluation: Any, learner: Any):
+    def __init__(self, evaluation: Any, learner: Any, floor: float | None):
         super().__init__(evaluation)
         self.learner = learner
-        self.judged: JudgedReach | None = None
-        self.train_reach = 1.0
+        self.judged = JudgedReach(floor) if floor is not None else None
+        self.judges = self.judged is not None
+        self.train_reach = 0.0  # the loop sets it before every evaluation but the first: the start is unjudged
+
+    def deployed_reach(self, train_reach: float) -> float:
+        """What an evaluation or a checkpoint acts with while the actor trains at `train_reach`."""
+        return self.judged.reach(train_reach) if self.judged is not None else train_reach
 
     def __call__(self, step: int) -> tuple[dict[str, Any], dict[str, float]]:
         train = self.train_reach
@@ -288,6 +295,12 @@ class JudgedEvaluation(WrappedEvaluation):
         info, metrics = runs["train_reach" if self.judged.promoted else "floor"]
         return info, {**metrics, "eval/floor_success_rate": sum(floor) / len(floor),
                       "eval/train_reach_success_rate": sum(trained) / len(trained), "eval/deployed_reach": deployed}
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.judged.state_dict() if self.judged is not None else None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.judged.load_state_dict(state)
 
 
 class JudgedWeights(WrappedEvaluation):

@@ -265,7 +265,7 @@ def test_judged_reach_deploys_the_training_reach_only_on_a_paired_win_and_gives_
 def test_the_judged_evaluation_reports_and_checkpoints_the_deployed_reach():
     """Two evaluations on the same episodes (floor, then training reach); the learner is left at the deployed
     reach, and the evaluation returned is the deployed one's."""
-    from embodied_rl.algos.wsrl import JudgedEvaluation, JudgedReach
+    from embodied_rl.algos.wsrl import JudgedEvaluation
 
     class Learner:
         reach = 0.1
@@ -281,15 +281,21 @@ def test_the_judged_evaluation_reports_and_checkpoints_the_deployed_reach():
         episodes = [{"episode": k, "success": k < wins} for k in reversed(range(20))]
         return {"per_episode": episodes, "reach": learner.reach}, {"eval/success_rate": wins / 20}
 
-    judged_evaluation = JudgedEvaluation(evaluation, learner)
+    plain = JudgedEvaluation(evaluation, learner, None)  # algo.floor_reach null: the plain evaluation, nothing kept
+    plain.train_reach = 0.8
+    info, metrics = plain(10)
+    assert calls == [(0.1, None)] and not plain.judges and plain.state_dict() is None
+    assert plain.deployed_reach(0.8) == 0.8
+    judged_evaluation = JudgedEvaluation(evaluation, learner, 0.2)
+    assert judged_evaluation.judges and judged_evaluation.deployed_reach(0.8) == 0.2
     judged_evaluation.train_reach = 0.8
-    info, metrics = judged_evaluation(10)  # no JudgedReach (algo.floor_reach null): the plain evaluation
-    assert calls == [(0.1, None)]
-    judged_evaluation.judged = JudgedReach(0.2)
     info, metrics = judged_evaluation(20)
     assert calls[1:] == [(0.2, "step_20_reach_0.20"), (0.8, "step_20_reach_0.80")]
     assert info["reach"] == 0.8 and learner.reach == 0.8 and metrics["eval/deployed_reach"] == 0.8
     assert metrics["eval/floor_success_rate"] == 0.75 and metrics["eval/train_reach_success_rate"] == 1.0
+    restored = JudgedEvaluation(evaluation, learner, 0.2)  # what a resumed run reads from the checkpoint
+    restored.load_state_dict(judged_evaluation.state_dict())
+    assert restored.deployed_reach(0.8) == 0.8 and restored.judged == judged_evaluation.judged
 
 
 def test_judged_weights_deploy_the_current_weights_only_when_they_win_and_checkpoints_act_with_the_deployed(tmp_path):
