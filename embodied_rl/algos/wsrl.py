@@ -273,8 +273,11 @@ class JudgedEvaluation(WrappedEvaluation):
         super().__init__(evaluation)
         self.learner = learner
         self.judged = JudgedReach(floor) if floor is not None else None
-        self.judges = self.judged is not None
         self.train_reach = 0.0  # the loop sets it before every evaluation but the first: the start is unjudged
+
+    @property
+    def judges(self) -> bool:
+        return self.judged is not None
 
     def deployed_reach(self, train_reach: float) -> float:
         """What an evaluation or a checkpoint acts with while the actor trains at `train_reach`."""
