@@ -32,7 +32,7 @@ advantage normalisation takes every rank's statistics, the gradients are average
 optimiser step and the early stop uses the mean KL over ranks, so the weights stay equal; the
 train/* loss metrics are rank 0's.
 
-Hyperparameters: configs/algo/{residual_ppo,dppo,reinflow,flow_sde,grpo,dsrl_ppo}.yaml.
+Hyperparameters: configs/algo/{residual_ppo,residual_remix,dppo,reinflow,flow_sde,grpo,dsrl_ppo}.yaml.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from embodied_rl.errors import UserError
 
 ALGOS: dict[str, str] = {
     "residual_ppo": "embodied_rl.algos.ppo",
+    "residual_remix": "embodied_rl.algos.ppo",
     "dppo": "embodied_rl.algos.ppo",
     "reinflow": "embodied_rl.algos.ppo",
     "flow_sde": "embodied_rl.algos.ppo",

@@ -185,6 +185,7 @@ def case(algo, policy, *extra, id=None):
 
 RESUME_CASES = [
     case("residual_ppo", "flow", *RESIDUAL[1:]),
+    case("residual_remix", "flow", *RESIDUAL[1:]),  # ReMix's preset: three rollouts replayed across the resume
     # the chunk-level residual (an actor, not a preset): no chunk_critic switch, no per-step shaping
     case("residual_ppo", "flow", "algo.actor=residual_chunk", "~algo.actor_kwargs.chunk_critic",
          "algo.reward_shaping=0", "algo.num_steps=4", "algo.actor_kwargs.hidden=16", id="residual_chunk"),
