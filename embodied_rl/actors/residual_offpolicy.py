@@ -33,9 +33,8 @@ class ResidualPolicyNet(nn.Module):
 
     stochastic=True (SAC): u ~ N(mu, exp(log_std)), `sample` returns (r, log_prob) with the tanh
     correction. stochastic=False (TD3): u = mu and `sample` returns (r, zeros).
-    `dims` (a share of the bound per action dim; default all 1) switches the residual off on the dims
-    it may not move (0: those the demonstrations hold constant) or scales it to the dim's spread in
-    the demonstrations (algos/residual_offpolicy.py `residual_dims`).
+    `dims` (1 or 0 per action dim; default all 1) switches the residual off on the dims it may not
+    move: those the demonstrations hold constant (algos/residual_offpolicy.py `residual_dims`).
     """
 
     def __init__(self, obs_dim: int, action_dim: int, hidden_sizes: list[int], scale: float,

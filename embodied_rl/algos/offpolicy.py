@@ -295,16 +295,12 @@ def find_demo_path(cfg: Any) -> Path | None:
     return None
 
 
-def demo_action_dims(cfg: Any, action_dim: int, mode: str = "demos") -> list[float]:
-    """Per action dim, the residual's share of its bound, from the demonstrations (`find_demo_path`):
-    mode `demos`: 1 where they move it, 0 where every demo step holds it at one value; mode
-    `demo_std`: the dim's standard deviation over the demos' actions divided by the largest dim's
-    (0 where constant); all 1 without demonstrations at hand.
-    Why `demos`: a dim the demonstrations never vary (Meta-World reach's gripper, for one) is one the
-    base policy was never shown varied; exploration noise there takes it off what it learned (reach's
-    BC with the residual's noise on all four dims: .48 success; on the three it moves: .95).
-    Why `demo_std`: dims on different scales (LIBERO's rotation deltas move ~10x less than its
-    position deltas) get residuals and exploration noise on their own scale."""
+def demo_action_dims(cfg: Any, action_dim: int) -> list[float]:
+    """Per action dim, 1 where the demonstrations (`find_demo_path`) move it, 0 where every demo
+    step holds it at one value; all 1 without demonstrations at hand.
+    Why: a dim the demonstrations never vary (Meta-World reach's gripper, for one) is one the base
+    policy was never shown varied; exploration noise there takes it off what it learned (reach's
+    BC with the residual's noise on all four dims: .48 success; on the three it moves: .95)."""
     path = find_demo_path(cfg)
     if path is None:
         return [1.0] * action_dim
@@ -313,11 +309,7 @@ def demo_action_dims(cfg: Any, action_dim: int, mode: str = "demos") -> list[flo
     actions = read_actions(path)
     if actions.shape[1] != action_dim:
         raise UserError(f"demo dataset '{path}' has {actions.shape[1]} action dims, the env {action_dim}")
-    std = actions.std(0)
-    moved = std > 1e-6
-    if mode == "demo_std":
-        return np.where(moved, std / std.max(), 0.0).round(4).tolist()
-    return moved.astype(float).tolist()
+    return (actions.std(0) > 1e-6).astype(float).tolist()
 
 
 def load_demos(cfg: Any, env: Any) -> tuple[Any, bool]:

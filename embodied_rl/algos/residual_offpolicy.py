@@ -124,8 +124,7 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
 
     learner: str               # td3 | sac
     residual_scale: float
-    residual_dims: str         # all | demos: only the action dims the demonstrations move | demo_std: each dim's
-                               # bound scaled by the demos' spread on it
+    residual_dims: str         # demos: only the action dims the demonstrations move | all
     residual_penalty: float
     actor_q: str               # mean | min: what of the critic ensemble the actor maximises
     normalize_obs: bool
@@ -153,7 +152,7 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
         return [
             ("learner", self.learner in ("td3", "sac"), "td3 or sac"),
             ("residual_scale", self.residual_scale > 0, "> 0"),
-            ("residual_dims", self.residual_dims in ("all", "demos", "demo_std"), "all, demos or demo_std"),
+            ("residual_dims", self.residual_dims in ("demos", "all"), "demos or all"),
             ("residual_penalty", self.residual_penalty >= 0, ">= 0"),
             ("actor_q", self.actor_q in ("mean", "min"), "mean or min"),
             ("actor_hidden_sizes", all(h >= 1 for h in self.actor_hidden_sizes), "a list of sizes >= 1"),
@@ -326,8 +325,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     obs_dim = policy.feature_dim if algo.normalize_obs else policy.obs_dim  # the size of head_input
     action_dim = int(env.single_action_space.shape[0])
     learner = ResidualOffPolicyLearner(algo, obs_dim, action_dim, device, seed,
-                                       None if algo.residual_dims == "all" else
-                                       demo_action_dims(cfg, action_dim, algo.residual_dims))
+                                       demo_action_dims(cfg, action_dim) if algo.residual_dims == "demos" else None)
     distributed.broadcast_modules([learner.actor, learner.actor_target, learner.critic, learner.critic_target])
     distributed.seed_rank(seed)  # the ranks explore and sample their replay with different noise
     warm_start = WarmStart(algo.warmup_env_steps, algo.critic_only_steps, algo.reach_ramp_steps)

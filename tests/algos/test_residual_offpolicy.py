@@ -213,7 +213,7 @@ def test_a_dim_the_demos_hold_constant_gets_no_residual(tmp_path):
     import zarr
 
     zarr.open_group(str(demos), mode="r+")["data"]["action"][:, 1] = 0.5  # every demo step holds dim 1 at 0.5
-    for dims, expected in (("demos", [1.0, 0.0]), ("all", [1.0, 1.0]), ("demo_std", [1.0, 0.0])):
+    for dims, expected in (("demos", [1.0, 0.0]), ("all", [1.0, 1.0])):
         cfg = sac_cfg(tmp_path / dims, learner="td3", data=str(demos), residual_dims=dims, warmup_env_steps=40,
                       critic_only_steps=0)
         _, run = run_finetune(cfg)
@@ -221,24 +221,7 @@ def test_a_dim_the_demos_hold_constant_gets_no_residual(tmp_path):
         assert json.loads((path / "agent.json").read_text())["config"]["residual_dims"] == expected
         agent = load_agent(path, num_envs=64)
         residual = agent.net(torch.randn(64, agent.net.trunk[0].in_features - 2), torch.randn(64, 2))
-        assert (residual[:, 1] == 0).all() == (dims != "all") and (residual[:, 0] != 0).any()
-
-
-def test_demo_std_scales_each_dims_residual_by_the_demos_spread_on_it(tmp_path):
-    """Dims the demos move less get a smaller share of the residual's bound (LIBERO's rotations)."""
-    import numpy as np
-    import zarr
-
-    from embodied_rl.algos.offpolicy import demo_action_dims
-
-    demos = make_demos(tmp_path / "demos")
-    actions = zarr.open_group(str(demos), mode="r+")["data"]["action"]
-    spread = np.random.default_rng(0).standard_normal(actions.shape).astype(np.float32) * np.array([0.4, 0.1])
-    actions[:] = spread
-    cfg = sac_cfg(tmp_path / "r", learner="td3", data=str(demos), residual_dims="demo_std")
-    expected = spread.std(0) / spread.std(0).max()
-    assert demo_action_dims(cfg, 2, "demo_std") == pytest.approx(expected.tolist(), abs=1e-4)
-    assert demo_action_dims(cfg, 2, "demos") == [1.0, 1.0]
+        assert (residual[:, 1] == 0).all() == (dims == "demos") and (residual[:, 0] != 0).any()
 
 
 def test_wsrl_stages_actor_unchanged_before_full_phase(tmp_path):
