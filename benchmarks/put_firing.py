@@ -9,7 +9,9 @@ reports for each reward model: the share of states at or above the threshold amo
 states in bands of that distance and among the held ones, how well its success probability ranks
 the successes among the cubes released within 3 cm (ROC-AUC), and per episode where it fires. The
 frames are rendered at the largest model's size; the policy, and each smaller model, reads them
-mean-pooled to its own size (a model whose size does not divide it is refused by the pooling).
+mean-pooled to its own size (a model whose size does not divide it is refused by the pooling). A
+model trained on another camera's frames (collect camera=top) reads that camera's (one such camera
+per call).
 
     OMP_NUM_THREADS=1 MUJOCO_GL=egl python benchmarks/put_firing.py \\
         --checkpoint runs/vla_table/pretrain/checkpoints/last --models RUN_A RUN_B --episodes 100
@@ -32,9 +34,11 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def put_rollouts(checkpoint: str, episodes: int, num_envs: int, seed: int, image_size: int) -> dict[str, np.ndarray]:
+def put_rollouts(checkpoint: str, episodes: int, num_envs: int, seed: int, image_size: int,
+                 reward_camera: str = "") -> dict[str, np.ndarray]:
     """Reached states of complete put episodes: frames (at image_size, which the policy reads pooled
-    to its own), state, instruction, success, distance, closure, episode and time, one row per step."""
+    to its own; with `reward_camera` also that camera's, reward_frames), state, instruction, success,
+    distance, closure, episode and time, one row per step."""
     import torch
 
     from embodied_rl.commands import load_checkpoint_agent
@@ -47,12 +51,13 @@ def put_rollouts(checkpoint: str, episodes: int, num_envs: int, seed: int, image
     seed_agent(agent, seed + 1)
     agent = PooledFramesAgent(agent, policy.env_options()["image_size"])
     env = make("tabletop", num_envs=num_envs, seed=seed, task_options={"success_terminates": False},
-               **{**policy.env_options(), "image_size": image_size})
+               **{**policy.env_options(), "image_size": image_size},
+               **({"reward_camera": reward_camera} if reward_camera else {}))
     puts = [i for i, text in enumerate(env.instructions) if text.startswith("put")]
     obs, _ = env.reset(seed=seed)
     agent.reset(torch.ones(num_envs, dtype=torch.bool))
-    columns: dict[str, list] = {key: [] for key in ("frames", "state", "success", "distance", "closure", "episode",
-                                                     "time")}
+    keys = ("frames", "state", "success", "distance", "closure", "episode", "time")
+    columns: dict[str, list] = {key: [] for key in keys + (("reward_frames",) if reward_camera else ())}
     episode, time = np.arange(num_envs), np.zeros(num_envs, dtype=np.int64)
     instruction_of = dict(enumerate(obs["instruction"].cpu().tolist()))  # episode -> its instruction
     complete, complete_puts = set(), 0
@@ -62,8 +67,10 @@ def put_rollouts(checkpoint: str, episodes: int, num_envs: int, seed: int, image
         _, cube, pad = env.task.targets(env.state)
         done = info["_episode"].cpu().numpy()
         final = info["final_obs"]
-        columns["frames"].append(np.where(done[:, None, None, None], final["pixels"].cpu().numpy(),
-                                          obs["pixels"].cpu().numpy()))
+        for key, obs_key in (("frames", "pixels"), ("reward_frames", "reward_pixels")):
+            if key in columns:
+                columns[key].append(np.where(done[:, None, None, None], final[obs_key].cpu().numpy(),
+                                             obs[obs_key].cpu().numpy()))
         columns["state"].append(np.where(done[:, None], final["state"].cpu().numpy(), obs["state"].cpu().numpy()))
         columns["success"].append(info["success"].cpu().numpy())
         columns["distance"].append((cube[:, :2] - pad[:, :2]).abs().amax(dim=1).cpu().numpy())
@@ -102,6 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from embodied_rl.envs.render import pool_frames
+    from embodied_rl.envs.tasks.tabletop import TabletopTask
     from embodied_rl.rewards import load_reward_model
     from embodied_rl.rewards.data import RewardSamples
     from embodied_rl.rewards.metrics import roc_auc
@@ -109,12 +117,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     models = {path: load_reward_model(path).eval() for path in args.models}
     image_size = max(model.image_size for model in models.values())  # the others' sizes must divide it
-    rows = put_rollouts(args.checkpoint, args.episodes, args.num_envs, args.seed, image_size)
+    own = {model.camera for model in models.values()} - {"", TabletopTask.camera}
+    if len(own) > 1:
+        parser.error(f"the models read {len(own)} cameras besides the task's ({', '.join(sorted(own))}); pass one")
+    reward_camera = own.pop() if own else ""
+    rows = put_rollouts(args.checkpoint, args.episodes, args.num_envs, args.seed, image_size, reward_camera)
     order = np.lexsort((rows["time"], rows["episode"]))  # an episode's rows in step order (episode_firing)
     rows = {key: value[order] for key, value in rows.items()}
 
-    def samples_at(size: int) -> RewardSamples:
-        frames = pool_frames(torch.from_numpy(rows["frames"]), size).numpy()
+    def samples_at(size: int, camera: str = "") -> RewardSamples:
+        key = "reward_frames" if camera and camera == reward_camera else "frames"
+        frames = pool_frames(torch.from_numpy(rows[key]), size).numpy()
         return RewardSamples(frames, rows["state"].astype(np.float32), rows["instruction"],
                              rows["success"].astype(bool), np.full(len(order), np.nan, dtype=np.float32),
                              rows["episode"], rows["time"])
@@ -125,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
               "threshold": args.threshold, "hold_steps": args.hold, "models": {}}
     print(f"{args.episodes} put episodes, {successful} successful", flush=True)
     for path, reward_model in models.items():
-        success_prob = predict(reward_model, samples_at(reward_model.image_size))[0]
+        success_prob = predict(reward_model, samples_at(reward_model.image_size, reward_model.camera))[0]
         fired = success_prob >= args.threshold
         near = rows["released"] & (rows["distance"] < NEAR)  # successes and the near misses beside them
         bands = []

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from embodied_rl.cli import main
+from embodied_rl.data import DemoDataset
 from embodied_rl.envs.tasks.tabletop import HELD_OUT
+from tests.test_validation_cli import run_refused as refused
 
 pytestmark = pytest.mark.e2e
 
@@ -69,6 +71,39 @@ def test_every_fine_tuning_method_applies_to_the_vla(bc, tmp_path, capsys):
     assert main(["eval", f"checkpoint={tmp_path / 'reinflow'}", "episodes=2", "num_envs=2", "videos=0",
                  "instruction=grab the crimson block", f"run_dir={tmp_path / 'eval_new'}"]) == 0, \
         capsys.readouterr().err
+
+
+def test_a_reward_model_with_its_own_camera_pays_a_policy_that_reads_another(bc, tmp_path, capsys):
+    """collect camera=top records the top camera's frames (attrs camera), train-reward keeps the
+    camera in the model, and finetune renders it for the model while the vla reads the front one."""
+    collect = ["collect", "task=tabletop", "pixels=true", "image_size=32", "demos=6", "num_envs=6", "quality=0.3",
+               "only_success=false"]
+    assert main([*collect, "camera=top", f"run_dir={tmp_path / 'top'}"]) == 0, capsys.readouterr().err
+    assert main([*collect, f"run_dir={tmp_path / 'front'}"]) == 0, capsys.readouterr().err
+    top, front = (DemoDataset.load(tmp_path / name / "demos.zarr") for name in ("top", "front"))
+    assert top.attrs["camera"] == "top" and front.attrs["camera"] == "front"
+    assert top.pixels.shape == front.pixels.shape and not (top.pixels == front.pixels).all()
+    train = ["train-reward", "task=tabletop", f"data={top.path}", "text_encoder=hash", "channels=[8,8,8]",
+             "feature_dim=8", "hidden_dim=16", "batch_size=16", "steps=10", "log_every=5"]
+    assert main([*train, f"run_dir={tmp_path / 'reward'}"]) == 0, capsys.readouterr().err
+    model = json.loads((tmp_path / "reward" / "reward_model" / "config.json").read_text())["config"]
+    assert model["camera"] == "top"
+    run_dir = tmp_path / "ft"
+    assert main(["finetune", "task=tabletop", "algo=residual_offpolicy", f"checkpoint={bc}",
+                 f"reward=model:{tmp_path / 'reward'}", "learned_reward.threshold=0.01", "num_envs=2", "env_steps=16",
+                 "eval_every=0", "eval_episodes=2", "videos=0", "log_every=8", "algo.warmup_env_steps=8",
+                 "algo.critic_only_steps=0", *OFF_POLICY["residual_offpolicy"], f"run_dir={run_dir}"]) == 0, \
+        capsys.readouterr().err
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any(row.get("train/learned_success_rate", 0) > 0 for row in rows)  # the model judged top frames
+    capsys.readouterr()
+    # frames of one camera do not mix with another's, nor teach a policy that acts with the task's
+    refused(tmp_path, capsys, [*train, f"demos={front.path}"], "holds frames of camera 'front', data= of 'top'")
+    refused(tmp_path, capsys, ["pretrain", "task=tabletop", "policy=vla", "obs=pixels", f"data={top.path}", *TINY],
+            "holds frames of camera 'top', not task tabletop's ('front')")
+    refused(tmp_path, capsys, [*collect, "camera=side"], "task 'tabletop' has no camera named 'side'")
+    refused(tmp_path, capsys, ["collect", "task=tabletop", "camera=top"], "camera=top chooses the camera whose "
+            "frames are recorded: set pixels=true")
 
 
 def test_periodic_evaluations_log_each_instructions_success(bc, tmp_path, capsys):

@@ -12,6 +12,10 @@ was kept is written.
 fine-tuned; a run directory stands for its checkpoints/last), successes and failures alike by
 default: the data train-reward learns success and progress from (docs/rewards.md).
 
+`camera=NAME` (with pixels=true) records that MJCF camera's frames instead of the task's, while a
+pixel policy still reads the task's: a reward model's own view (tabletop's `top`, docs/rewards.md).
+attrs["camera"] names the camera the frames are from.
+
 `per_instruction=k` makes a few-shot multi-task set: at most k episodes are kept per instruction
 (per task of a Meta-World suite). An instruction given 10 * k attempts is given up,
 and collection also stops once every instruction of the task is full or given up.
@@ -80,6 +84,8 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
     if cfg.per_instruction is not None and (not isinstance(cfg.per_instruction, int)
                                             or isinstance(cfg.per_instruction, bool) or cfg.per_instruction < 1):
         raise UserError(f"per_instruction must be null or an integer >= 1, got {cfg.per_instruction!r}")
+    if cfg.camera is not None and not cfg.pixels:
+        raise UserError(f"camera={cfg.camera} chooses the camera whose frames are recorded: set pixels=true")
     if cfg.max_episodes is not None and cfg.max_episodes < cfg.demos:
         raise UserError(f"max_episodes ({cfg.max_episodes}) must be >= demos ({cfg.demos})")
     if cfg.out is not None and Path(cfg.out).exists():
@@ -88,11 +94,13 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
 
 
 def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_success: bool,
-                     pixels: bool, seed: int, per_instruction: int | None = None,
+                     frames_key: str | None, seed: int, per_instruction: int | None = None,
                      ) -> tuple[list[dict[str, np.ndarray]], int, int]:
     """Run the expert (or any agent: `reset(mask)`, `act(obs)`) until `demos` episodes are kept
     (or, with `per_instruction`, every instruction is full or given up); return (kept,
-    attempted, successes)."""
+    attempted, successes). The observations' `frames_key` ("pixels" or "reward_pixels") is
+    recorded as the episodes' pixels; None records no frames."""
+    pixels = frames_key is not None
     n = env.num_envs
     num_instructions = len(env.instructions)
     kept_by = np.zeros(max(num_instructions, 1), dtype=np.int64)  # per instruction id
@@ -117,7 +125,7 @@ def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_
     while len(kept) < demos and attempted < max_episodes and not settled():
         action = expert.act(obs)
         state = (obs["state"] if isinstance(obs, dict) else obs).cpu().numpy()
-        frames = obs["pixels"].cpu().numpy() if pixels else None
+        frames = obs[frames_key].cpu().numpy() if pixels else None
         instruction = obs["instruction"].cpu().numpy() if isinstance(obs, dict) and "instruction" in obs else None
         obs, reward, _, _, info = env.step(action)
         action_np, reward_np, success_np = action.cpu().numpy(), reward.cpu().numpy(), info["success"].cpu().numpy()
@@ -135,7 +143,7 @@ def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_
         unstable = info["unstable"].cpu()
         final = info["final_obs"]  # the observation each finished episode ended in
         final_state = (final["state"] if isinstance(final, dict) else final).cpu().numpy()
-        final_frames = final["pixels"].cpu().numpy() if pixels else None
+        final_frames = final[frames_key].cpu().numpy() if pixels else None
         for i in torch.nonzero(done).flatten().tolist():
             attempted += 1
             success = bool(success_once[i]) and not bool(unstable[i])
@@ -159,18 +167,34 @@ def collect_episodes(env: Any, expert: Any, demos: int, max_episodes: int, only_
     return kept, attempted, successes
 
 
+def recorded_camera(cfg: DictConfig) -> str | None:
+    """The camera whose frames collect records (None without pixels=true): `camera`, else the task's."""
+    from embodied_rl.envs.registry import is_task, task_class
+
+    if not cfg.pixels:
+        return None
+    if cfg.camera is not None:
+        return str(cfg.camera)
+    return task_class(cfg.task.name).camera if is_task(cfg.task.name) else ""
+
+
 def env_options(cfg: DictConfig, policy: Any | None) -> dict[str, Any]:
-    """The envs.make keywords of what is recorded (frames at image_size with pixels=true) and,
-    for a checkpoint, of what its policy reads: a state policy ignores the frames, a pixel
-    policy reads the recorded ones pooled to its size (PooledFramesAgent), so image_size must be
-    its size or a multiple of it (finer frames for a reward model, docs/rewards.md)."""
-    options = {"obs_mode": "pixels" if cfg.pixels else "state", "image_size": int(cfg.image_size)}
+    """The envs.make keywords of what is recorded (frames at image_size with pixels=true; of
+    `camera` as obs["reward_pixels"] where it is not the task's) and, for a checkpoint, of what
+    its policy reads: a state policy ignores the frames, a pixel policy reads the task camera's
+    pooled to its size (PooledFramesAgent), so image_size must be its size or a multiple of it
+    (finer frames for a reward model, docs/rewards.md)."""
+    from embodied_rl.envs.registry import task_class
+
+    options: dict[str, Any] = {"obs_mode": "pixels" if cfg.pixels else "state", "image_size": int(cfg.image_size)}
+    if cfg.camera is not None and cfg.camera != task_class(cfg.task.name).camera:
+        options["reward_camera"] = str(cfg.camera)
     if policy is not None and policy.obs_mode == "pixels":
         size = policy.env_options()["image_size"]
         if cfg.pixels and int(cfg.image_size) % size:
             raise UserError(f"checkpoint '{cfg.checkpoint}' reads {size}x{size} frames, so the recorded ones must be "
                             f"that size or a multiple of it: image_size={size}, {2 * size}, ...")
-        options = {"obs_mode": "pixels", "image_size": int(cfg.image_size) if cfg.pixels else size}
+        options.update(obs_mode="pixels", image_size=int(cfg.image_size) if cfg.pixels else size)
     return options
 
 
@@ -203,8 +227,9 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
                                                              cfg.task.name)
         seed_agent(agent, int(cfg.seed) + 1)
     # the env first: a task or backend it refuses leaves no run directory behind
+    options = env_options(cfg, policy)
     env = make(cfg.task.name, num_envs=cfg.num_envs, backend=cfg.backend, device=cfg.device, seed=cfg.seed,
-               task_options=task_options, **env_options(cfg, policy))
+               task_options=task_options, **options)
     try:
         run = start_run(cfg, "collect")
         out = Path(cfg.out) if cfg.out is not None else run.file("demos.zarr")
@@ -217,7 +242,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         # a task without success (reward-only, e.g. hopper) keeps every stable episode
         has_success = bool(env.task.has_success)
         kept, attempted, successes = collect_episodes(
-            env, agent, cfg.demos, max_episodes, cfg.only_success and has_success, cfg.pixels, cfg.seed,
+            env, agent, cfg.demos, max_episodes, cfg.only_success and has_success,
+            ("reward_pixels" if "reward_camera" in options else "pixels") if cfg.pixels else None, cfg.seed,
             cfg.per_instruction,
         )
         obs_dim, action_dim = env.task.obs_dim, env.task.action_dim
@@ -241,6 +267,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     }
     if instructions:
         attrs["instructions"] = instructions
+    if cfg.pixels:
+        attrs["camera"] = recorded_camera(cfg)
     write_demos(out, kept, attrs)
     info = {
         "task": cfg.task.name,

@@ -143,7 +143,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     from embodied_rl.algos.bc import BCConfig, save_checkpoint, train_bc
     from embodied_rl.data import ChunkWindows, DemoDataset
     from embodied_rl.envs import task_overrides
-    from embodied_rl.envs.registry import check_simulator, resolve_backend
+    from embodied_rl.envs.registry import check_simulator, resolve_backend, task_class
     from embodied_rl.runs import start_run
 
     task = OmegaConf.select(cfg, "task.name", default=None)
@@ -157,6 +157,10 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     obs_mode = cfg.obs if cfg.get("obs") is not None else cfg.policy.obs_mode
     if obs_mode == "pixels" and dataset.pixels is None:
         raise UserError(f"obs=pixels but dataset '{cfg.data}' has no pixels (collect it with pixels=true)")
+    camera = dataset.attrs.get("camera")
+    if obs_mode == "pixels" and task and camera and camera != task_class(task).camera:
+        raise UserError(f"dataset '{cfg.data}' holds frames of camera '{camera}', not task {task}'s "
+                        f"('{task_class(task).camera}'): a pixel policy learns from the camera it acts with")
     torch.manual_seed(int(cfg.seed))
     policy = build_policy(cfg, dataset, obs_mode, task)
     windows = ChunkWindows(dataset, policy.n_obs_steps, policy.horizon, obs_mode=obs_mode)

@@ -98,6 +98,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         raise UserError(f"dataset '{cfg.data}' was collected on task '{dataset.attrs.get('task')}' but "
                         f"task={task_name}; pass task={dataset.attrs.get('task')}")
     task = task_class(task_name)
+    camera = dataset.attrs.get("camera") or task.camera  # datasets from before collect recorded it: the task's
     kind = cfg.kind if cfg.kind != "auto" else ("cnn_film" if dataset.instructions else "cnn")
     progress = cfg.progress if cfg.progress != "auto" else ("milestones" if task.effector_obs else "time")
     use_state = cfg.use_state if cfg.use_state != "auto" else task.proprioceptive_state
@@ -120,6 +121,9 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
                             f"data= on '{task_name}'")
         if demos.instructions != dataset.instructions:
             raise UserError(f"demos dataset '{cfg.demos}' has other instructions than data=")
+        if (demos.attrs.get("camera") or task.camera) != camera:
+            raise UserError(f"demos dataset '{cfg.demos}' holds frames of camera '{demos.attrs.get('camera') or task.camera}', "
+                            f"data= of '{camera}': collect both with one camera=")
         demo_samples = labelled(demos)
         if demo_samples.frames.shape[1:] != samples.frames.shape[1:]:
             raise UserError(f"demos dataset '{cfg.demos}' has {demo_samples.frames.shape[1]}x"
@@ -131,7 +135,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     torch.manual_seed(int(cfg.seed))
     model = make_reward_model(
         kind, task=task_name, image_size=int(samples.frames.shape[1]), obs_dim=int(samples.state.shape[1]),
-        instructions=dataset.instructions or None, text_encoder=cfg.text_encoder, use_state=use_state,
+        camera=camera, instructions=dataset.instructions or None, text_encoder=cfg.text_encoder, use_state=use_state,
         channels=list(cfg.channels), feature_dim=int(cfg.feature_dim), hidden_dim=int(cfg.hidden_dim),
         progress_labels=progress,
     ).to(cfg.device)
@@ -145,7 +149,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     run = start_run(cfg, "train-reward")
     try:
         scores = train_reward_model(model, train, held_out, config, run)
-        info = {"task": task_name, "dataset": str(dataset.path), "kind": kind, "progress_labels": progress,
+        info = {"task": task_name, "camera": camera, "dataset": str(dataset.path), "kind": kind,
+                "progress_labels": progress,
                 "use_state": use_state,
                 "held_out": scores, "held_out_episodes": sorted(set(held_out.episode.tolist())),
                 "demos": None if cfg.demos is None else str(cfg.demos),
@@ -158,7 +163,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         plot_held_out(held_out, *predict(model, held_out), config.threshold, run.file("plots", "reward_model.png"))
     finally:
         run.close()
-    headline: dict[str, Any] = {"task": task_name, "kind": kind, "progress_labels": progress, "use_state": use_state}
+    headline: dict[str, Any] = {"task": task_name, "camera": camera, "kind": kind, "progress_labels": progress, "use_state": use_state}
     for key in ("roc_auc", "precision_at_threshold", "recall_at_threshold", "episode_recall",
                 "episode_false_positive_rate", "voc"):
         headline[f"held_out_{key}"] = scores[key] if scores[key] is not None else "n/a"

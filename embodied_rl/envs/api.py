@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from embodied_rl.envs.render import camera_names
 from embodied_rl.errors import UserError
 from embodied_rl.paths import asset_dir
 
@@ -354,7 +355,7 @@ class SimBatchedEnv(BatchedEnv):
       _step_physics(ctrl) -> bool[N]        write ctrl and advance every env by
                                             task.control_substeps; return envs with simulator
                                             warnings (e.g. mjWARN_BADQACC)
-      _render_frames(env_ids, size) -> uint8 [k, size, size, 3] from task.camera
+      _render_frames(env_ids, size, camera) -> uint8 [k, size, size, 3] of that MJCF camera
       _get_sim_state() -> dict[str, Tensor]  everything the next physics step reads, per env
       _set_sim_state(state)                  write it back (the envs continue bit for bit)
     and may override `_state_is_finite() -> bool[N]` (default: three torch checks over `state`)
@@ -393,6 +394,7 @@ class SimBatchedEnv(BatchedEnv):
         obs_mode: str = "state",
         image_size: int = 96,
         render_size: int = 256,
+        reward_camera: str = "",
     ):
         if num_envs < 1:
             raise UserError(f"num_envs must be >= 1, got {num_envs}")
@@ -400,6 +402,13 @@ class SimBatchedEnv(BatchedEnv):
             raise UserError(f"obs_mode must be 'state' or 'pixels', got {obs_mode!r}")
         if image_size < 8 or render_size < 8:
             raise UserError("image_size and render_size must be >= 8")
+        if reward_camera:
+            if obs_mode != "pixels":
+                raise UserError("reward_camera renders frames beside the policy's: it needs obs_mode='pixels'")
+            cameras = camera_names(model)
+            if reward_camera not in cameras:
+                raise UserError(f"task '{task.name}' has no camera named '{reward_camera}' "
+                                f"(its cameras: {', '.join(cameras) or 'none'})")
         self.task = task
         self.model = model
         self.num_envs = int(num_envs)
@@ -407,6 +416,9 @@ class SimBatchedEnv(BatchedEnv):
         self.obs_mode = obs_mode
         self.image_size = int(image_size)
         self.render_size = int(render_size)
+        # a second camera's frames, obs["reward_pixels"], for a reward model with a view of its own
+        # (tabletop's "top": from the front the gripper hides the pad under a put cube)
+        self.reward_camera = str(reward_camera)
         self.max_episode_steps = int(task.max_episode_steps)
         task.bind(model)
 
@@ -426,6 +438,8 @@ class SimBatchedEnv(BatchedEnv):
         spaces: dict[str, gymnasium.Space] = {"state": state_space}
         if obs_mode == "pixels":
             spaces["pixels"] = gymnasium.spaces.Box(0, 255, (self.image_size, self.image_size, 3), np.uint8)
+        if self.reward_camera:
+            spaces["reward_pixels"] = spaces["pixels"]
         if task.instructions:
             spaces["instruction"] = gymnasium.spaces.Discrete(len(task.instructions))
         self.single_observation_space = gymnasium.spaces.Dict(spaces) if len(spaces) > 1 else state_space
@@ -446,7 +460,7 @@ class SimBatchedEnv(BatchedEnv):
     def _step_physics(self, ctrl: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def _render_frames(self, env_ids: Tensor, size: int) -> Tensor:
+    def _render_frames(self, env_ids: Tensor, size: int, camera: str) -> Tensor:
         raise NotImplementedError
 
     def _get_sim_state(self) -> dict[str, Tensor]:
@@ -471,7 +485,10 @@ class SimBatchedEnv(BatchedEnv):
             return state_obs
         obs = {"state": state_obs}
         if self.obs_mode == "pixels":
-            obs["pixels"] = self._render_frames(self._env_ids(env_ids), self.image_size).to(self.device)
+            ids = self._env_ids(env_ids)
+            obs["pixels"] = self._render_frames(ids, self.image_size, self.task.camera).to(self.device)
+            if self.reward_camera:
+                obs["reward_pixels"] = self._render_frames(ids, self.image_size, self.reward_camera).to(self.device)
         if self._instruction is not None:
             instruction = self._instruction if env_ids is None else self._instruction[env_ids.to(self.sim_device)]
             obs["instruction"] = instruction.to(self.device, copy=True)
@@ -584,7 +601,7 @@ class SimBatchedEnv(BatchedEnv):
 
     def render(self, env_ids: Tensor | None = None) -> Tensor:
         """Frames of task.camera, uint8 [k, render_size, render_size, 3]."""
-        return self._render_frames(self._env_ids(env_ids), self.render_size).to(self.device)
+        return self._render_frames(self._env_ids(env_ids), self.render_size, self.task.camera).to(self.device)
 
     def get_state(self) -> dict[str, Tensor]:
         """Everything `step` continues from, as CPU tensors: the simulator's state per env

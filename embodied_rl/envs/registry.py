@@ -264,7 +264,8 @@ def make(
     metaworld/<task>, metaworld/MT10, libero/<suite>[/<task id>], ...), or for backend="gymnasium" /
     "envpool" / "process" an env id of that engine. `backend=None` takes the task's default
     (`Task.backends[0]`: mujoco for this package's tasks, envpool for Meta-World, process for LIBERO). `obs_mode="pixels"` returns obs dicts
-    {"state": f32 [N, D], "pixels": u8 [N, image_size, image_size, 3]}. `task_options` override
+    {"state": f32 [N, D], "pixels": u8 [N, image_size, image_size, 3]}, and with
+    `reward_camera="<camera>"` (mujoco backends) also that camera's frames as "reward_pixels". `task_options` override
     Task class attributes (e.g. {"max_episode_steps": 100}); their entry "process" (task.process
     in a task config) holds options of the process backend; `backend_options` go to the backend.
     """
@@ -275,6 +276,9 @@ def make(
     process_options = task_options.pop("process", None) or {}
     if process_options and backend != "process":
         raise UserError(f"task.process.{next(iter(process_options))} applies to backend=process only, "
+                        f"not backend={backend}")
+    if backend_options.get("reward_camera") and backend not in ("mujoco", "mujoco_warp"):
+        raise UserError(f"a reward camera (reward_camera) renders on the mujoco and mujoco_warp backends only, "
                         f"not backend={backend}")
     module = backend_module(backend)
     options = dict(obs_mode=obs_mode, image_size=image_size, render_size=render_size,

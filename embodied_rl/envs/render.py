@@ -21,6 +21,13 @@ import numpy as np
 MIN_SIDE = 1024  # framebuffer side: 256 frames of 64 x 64, or 16 of 256 x 256, per readback
 
 
+def camera_names(model: Any) -> list[str]:
+    """The names of a MuJoCo model's cameras."""
+    import mujoco
+
+    return [mujoco.mj_id2name(model, mujoco.mjtObj.mjOBJ_CAMERA, i) for i in range(model.ncam)]
+
+
 class BatchRenderer:
     """Frames of `camera` (a camera name; "" for MuJoCo's default free camera) of `model`."""
 

@@ -5,6 +5,10 @@
                                                          # own success ends no episode
     env = learned.wrap(env, policy_image_size)           # a LearnedRewardEnv
 
+A reward model with a camera of its own (tabletop's `top`: collect camera=top) reads that camera's
+frames (the env renders them beside the policy's, obs["reward_pixels"]); the policy still reads
+the task's camera.
+
 A LearnedRewardEnv is a BatchedEnv like any other, so every fine-tuning method trains on it
 unchanged. At every step it shows the reward model the frame of the state each env reached and
 returns the learned reward in place of the simulator's (which never leaves `step`):
@@ -67,6 +71,7 @@ class LearnedReward:
     progress_gain: float
     progress_cap: float
     hold_steps: int = 1
+    camera: str = ""  # the camera the model reads where it is not the task's ("": the task's)
 
     @classmethod
     def from_cfg(cls, cfg: Any, policy: Any) -> LearnedReward | None:
@@ -108,13 +113,17 @@ class LearnedReward:
         if kind == "success_progress" and model.config["progress_labels"] == "none":
             raise UserError(f"reward model '{path}' was trained without progress labels (progress=none); "
                             "learned_reward.kind=success_progress needs them")
-        return cls(path, model, kind, threshold, gain, cap, hold_steps)
+        camera = model.camera if model.camera != task.camera else ""  # one the task lacks: envs.make refuses it
+        return cls(path, model, kind, threshold, gain, cap, hold_steps, camera)
 
     def env_options(self, policy_options: dict[str, Any], task_options: dict[str, Any]) -> tuple[dict, dict]:
         """(envs.make keywords, task options) of the training env: the policy's observations with
-        frames at the model's size, and the task's success ending no episode."""
-        return ({**policy_options, "obs_mode": "pixels", "image_size": self.model.image_size},
-                {**task_options, "success_terminates": False})
+        frames at the model's size (and the model's own camera's), and the task's success ending
+        no episode."""
+        options = {**policy_options, "obs_mode": "pixels", "image_size": self.model.image_size}
+        if self.camera:
+            options["reward_camera"] = self.camera
+        return options, {**task_options, "success_terminates": False}
 
     def wrap(self, env: BatchedEnv, policy_image_size: int | None) -> LearnedRewardEnv:
         return LearnedRewardEnv(env, self, policy_image_size)
@@ -135,6 +144,7 @@ class LearnedRewardEnv(BatchedEnv):
         self.task = copy.copy(env.task)
         self.task.success_terminates = True
         spaces = dict(env.single_observation_space.spaces)
+        spaces.pop("reward_pixels", None)
         if policy_image_size is None:
             spaces.pop("pixels")
         else:
@@ -158,6 +168,7 @@ class LearnedRewardEnv(BatchedEnv):
         """What the policy reads: the frames at its size, or none where it reads none (a state
         policy on a task without instructions gets the plain state tensor, as from an env without
         pixels)."""
+        obs = {key: value for key, value in obs.items() if key != "reward_pixels"}
         if self.policy_image_size is not None:
             return {**obs, "pixels": pool_frames(obs["pixels"], self.policy_image_size)}
         obs = {key: value for key, value in obs.items() if key != "pixels"}
@@ -180,7 +191,8 @@ class LearnedRewardEnv(BatchedEnv):
     def step(self, action: Tensor):
         obs, _, terminated, truncated, info = self.env.step(action)  # the simulator's reward stops here
         reached = info["final_obs"]  # the state each env's action led to, before any auto-reset
-        judged = self.learned.model.judge(reached["pixels"], reached["state"], reached.get("instruction"))
+        frames = reached["reward_pixels"] if self.learned.camera else reached["pixels"]
+        judged = self.learned.model.judge(frames, reached["state"], reached.get("instruction"))
         success_prob, progress = judged.success_prob.to(self.device), judged.progress.to(self.device)
         # an unstable step pays nothing, as the simulator's does
         above = (success_prob >= self.learned.threshold) & ~info["unstable"]

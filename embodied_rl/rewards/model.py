@@ -3,7 +3,7 @@ task, learned from labelled rollouts instead of read from the simulator.
 
 The contract, one step per env:
 
-    out = model.judge(frames, state, instruction)   # frames u8 [N, H, W, 3] at model.image_size,
+    out = model.judge(frames, state, instruction)   # frames u8 [N, H, W, 3] of model.camera at model.image_size,
                                                     # state f32 [N, obs_dim], instruction i64 [N] or None
     out.success_prob                                # f32 [N] in [0, 1]: is the task done here?
     out.progress                                    # f32 [N] in [0, 1]: how far along is it?
@@ -56,16 +56,17 @@ class CNNRewardModel(nn.Module):
     conditions_image: ClassVar[bool] = False  # the instruction enters the image encoder (FiLM)
 
     def __init__(self, task: str, image_size: int, obs_dim: int, instructions: list[str] | None = None,
-                 text_encoder: str = "minilm", use_state: bool = False, channels: list[int] | None = None,
+                 camera: str = "", text_encoder: str = "minilm", use_state: bool = False, channels: list[int] | None = None,
                  feature_dim: int = 64, hidden_dim: int = 128, crop_frac: float = 0.9,
                  progress_labels: str = "none", text_encoder_source: dict | None = None):
         super().__init__()
         self.task, self.image_size, self.obs_dim = task, int(image_size), int(obs_dim)
+        self.camera = str(camera)  # the MJCF camera its frames are from ("": the task's, models saved before it was recorded)
         self.instructions = list(instructions or [])
         self.use_state = bool(use_state)
         channels = list(channels or [16, 32, 32])
         self.config: dict[str, Any] = {
-            "task": task, "image_size": self.image_size, "obs_dim": self.obs_dim,
+            "task": task, "camera": self.camera, "image_size": self.image_size, "obs_dim": self.obs_dim,
             "instructions": self.instructions or None, "text_encoder": text_encoder, "use_state": self.use_state,
             "channels": channels, "feature_dim": feature_dim, "hidden_dim": hidden_dim, "crop_frac": crop_frac,
             # what the progress head learned from (train-reward's `progress`): none, milestones or time

@@ -1,5 +1,7 @@
 """BatchedEnv contract tests on the reach task, native MuJoCo backend."""
 
+import re
+
 import gymnasium
 import pytest
 import torch
@@ -215,3 +217,34 @@ def test_gym_ids_registered():
     for gym_name in ("Reach", "PushT", "Lift", "PegInsert", "Hopper"):
         assert f"embodied_rl/{gym_name}-v0" in gymnasium.registry
     assert envs.TASKS.keys() >= {"reach", "push_t", "lift", "peg_insert", "hopper"}
+
+
+def test_a_reward_camera_renders_its_frames_beside_the_policys():
+    """reward_camera="top": obs["reward_pixels"] holds the frames the same env would show as its own
+    pixels were "top" its camera, in every observation, final ones and snapshots included."""
+    common = dict(num_envs=2, obs_mode="pixels", image_size=16, seed=4)
+    env = make("tabletop", reward_camera="top", **common)
+    top = make("tabletop", task_options={"camera": "top"}, **common)
+    obs, _ = env.reset(seed=4)
+    reference, _ = top.reset(seed=4)
+    assert env.single_observation_space["reward_pixels"].shape == (16, 16, 3)
+    assert torch.equal(obs["reward_pixels"], reference["pixels"]) and not torch.equal(obs["pixels"], obs["reward_pixels"])
+    action = torch.zeros(2, env.task.action_dim)
+    for _ in range(env.max_episode_steps):  # through an auto-reset
+        obs, _, _, _, info = env.step(action)
+        reference, _, _, _, reference_info = top.step(action)
+    assert torch.equal(info["final_obs"]["reward_pixels"], reference_info["final_obs"]["pixels"])
+    assert torch.equal(obs["reward_pixels"], reference["pixels"])
+    assert "obs/reward_pixels" in env.get_state()
+    env.close()
+    top.close()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"obs_mode": "pixels", "reward_camera": "side"}, "task 'tabletop' has no camera named 'side' (its cameras: front, top)"),
+    ({"reward_camera": "top"}, "it needs obs_mode='pixels'"),
+    ({"obs_mode": "pixels", "reward_camera": "top", "backend": "gymnasium"}, "mujoco and mujoco_warp backends only"),
+])
+def test_bad_reward_cameras_are_refused(options, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        make("tabletop", num_envs=1, **options)

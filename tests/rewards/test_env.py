@@ -165,3 +165,19 @@ def test_with_hold_steps_the_learned_success_needs_that_many_consecutive_frames(
     del snapshot["learned_reward/steps_above"]  # a snapshot written before hold_steps
     env.set_state(snapshot)
     assert env.steps_above.tolist() == [0, 0]
+
+
+def test_a_model_with_its_own_camera_judges_that_cameras_frames_and_the_policy_never_sees_them():
+    judge = ScriptedJudge(2)
+    learned = LearnedReward(Path("stub"), judge, "success", threshold=0.95, progress_gain=0.0, progress_cap=0.0,
+                            camera="top")
+    options, task_options = learned.env_options({"obs_mode": "pixels", "image_size": 16}, {})
+    env = learned.wrap(envs.make("tabletop", num_envs=2, seed=0, task_options=task_options, **options), 16)
+    assert "reward_pixels" not in env.single_observation_space.spaces
+    obs, _ = env.reset(seed=0)
+    assert set(obs) == {"state", "pixels", "instruction"}
+    _, _, _, _, info = env.step(torch.zeros(2, env.single_action_space.shape[0]))
+    assert torch.equal(judge.seen, env.env._observe()["reward_pixels"])  # the state reached, as "top" shows it
+    assert not torch.equal(judge.seen, info["final_obs"]["pixels"])
+    assert set(info["final_obs"]) == {"state", "pixels", "instruction"}
+    env.close()

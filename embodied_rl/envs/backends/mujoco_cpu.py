@@ -108,7 +108,7 @@ class MujocoCpuEnv(SimBatchedEnv):
         self._closing_step1 = not rk4 or model.nsensordata > 0
         self.threads = default_threads(n) if threads is None else max(1, min(int(threads), n))
         self._pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
-        self._renderer: BatchRenderer | None = None  # made on first use
+        self._renderers: dict[str, BatchRenderer] = {}  # per camera, made on first use
 
     # ---- physics primitives ----
     @property
@@ -223,22 +223,22 @@ class MujocoCpuEnv(SimBatchedEnv):
             return self._all_finite
         return torch.from_numpy(np.isfinite(self._buffer).all(axis=1))
 
-    def _render_frames(self, env_ids: Tensor, size: int) -> Tensor:
-        if self._renderer is None:
-            self._renderer = BatchRenderer(self.model, self.task.camera)
+    def _render_frames(self, env_ids: Tensor, size: int, camera: str) -> Tensor:
+        if camera not in self._renderers:
+            self._renderers[camera] = BatchRenderer(self.model, camera)
         ids = env_ids.tolist()
         if not self._closing_step1:  # the kinematics of the state reached (see the module docstring)
             for i in ids:
                 self._mujoco.mj_fwdPosition(self.model, self.datas[i])
-        return torch.from_numpy(self._renderer.render((self.datas[i] for i in ids), len(ids), size))
+        return torch.from_numpy(self._renderers[camera].render((self.datas[i] for i in ids), len(ids), size))
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        if self._renderer is not None:
-            self._renderer.close()
-            self._renderer = None
+        for renderer in self._renderers.values():
+            renderer.close()
+        self._renderers.clear()
 
     def __del__(self) -> None:
         try:

@@ -105,7 +105,7 @@ class MujocoWarpEnv(SimBatchedEnv):
                 self._graph = capture.graph
 
         self._render_data = mujoco.MjData(model)
-        self._renderer: BatchRenderer | None = None  # made on first use
+        self._renderers: dict[str, BatchRenderer] = {}  # per camera, made on first use
 
     # ---- physics primitives ----
     @property
@@ -194,14 +194,14 @@ class MujocoWarpEnv(SimBatchedEnv):
         views["sensordata"].copy_(state["sensordata"].to(self.sim_device))  # as the last step left it
         self._torch_done()
 
-    def _render_frames(self, env_ids: Tensor, size: int) -> Tensor:
+    def _render_frames(self, env_ids: Tensor, size: int, camera: str) -> Tensor:
         """The CPU backend's batched renderer (same look), over one MjData refilled per frame
         with an env's qpos and its kinematics."""
         ids = env_ids.to(self.sim_device)
         self._warp_done()
         qpos = self._state.qpos[ids].double().cpu().numpy()
-        if self._renderer is None:
-            self._renderer = BatchRenderer(self.model, self.task.camera)
+        if camera not in self._renderers:
+            self._renderers[camera] = BatchRenderer(self.model, camera)
 
         def datas():
             mujoco, data = self._mujoco, self._render_data
@@ -211,7 +211,7 @@ class MujocoWarpEnv(SimBatchedEnv):
                     stage(self.model, data)  # poses, then the cameras (tracking ones included)
                 yield data
 
-        return torch.from_numpy(self._renderer.render(datas(), len(qpos), size))
+        return torch.from_numpy(self._renderers[camera].render(datas(), len(qpos), size))
 
     @property
     def simulator(self) -> dict[str, str]:
@@ -220,9 +220,9 @@ class MujocoWarpEnv(SimBatchedEnv):
         return {**super().simulator, "mujoco_warp": version("mujoco-warp"), "warp": self._wp.__version__}
 
     def close(self) -> None:
-        if self._renderer is not None:
-            self._renderer.close()
-            self._renderer = None
+        for renderer in self._renderers.values():
+            renderer.close()
+        self._renderers.clear()
 
 
 def make_env(task: Task, num_envs: int, device: str = "cpu", seed: int = 0, **options: Any) -> MujocoWarpEnv:
