@@ -14,6 +14,9 @@ it succeeds.
     OMP_NUM_THREADS=1 python benchmarks/residual_ceiling.py --checkpoint runs/vla_mt50/pretrain/checkpoints/last \
         --task metaworld/MT50 --max-episode-steps 100 --episodes 1000 --scales 0.2 0.5 1.0
 
+`--dims 0 1 2 6` corrects only those action dims (the others stay the BC's): what a residual on them
+alone can express (LIBERO: translation and gripper, no rotation).
+
 Printed: per instruction, the success at scale 0 (BC), each --scales value and 2 (the expert);
 then the averages over instructions. The last line is one JSON object.
 """
@@ -34,10 +37,11 @@ EXPERT_SCALE = 2.0  # |a_expert - a_BC| <= 2 for actions in [-1, 1]: the clamp i
 class OracleResidual:
     """The BC policy plus the residual toward the expert that a bound of `scale` allows."""
 
-    def __init__(self, policy, expert, num_envs: int, scale: float):
+    def __init__(self, policy, expert, num_envs: int, scale: float, dims: list[int] | None = None):
         self.base = PolicyRunner(policy, num_envs, seed=0)
         self.expert = expert
         self.scale = scale
+        self.mask = None if dims is None else torch.zeros(policy.action_dim).index_fill_(0, torch.tensor(dims), 1.0)
 
     def reset(self, mask: Tensor | None = None) -> None:
         self.base.reset(mask)
@@ -46,7 +50,10 @@ class OracleResidual:
     def act(self, obs) -> Tensor:
         base = self.base.act(obs).float().cpu()
         target = self.expert.act(obs).float().cpu()
-        return (base + (target - base).clamp(-self.scale, self.scale)).clamp(-1.0, 1.0)
+        residual = (target - base).clamp(-self.scale, self.scale)
+        if self.mask is not None:
+            residual = residual * self.mask
+        return (base + residual).clamp(-1.0, 1.0)
 
     @property
     def generator(self) -> torch.Generator:  # evaluate() reseeds the agent's sampling per round
@@ -68,7 +75,7 @@ def run(args) -> dict:
     try:
         expert = make_expert(args.task, env)
         for scale in scales:
-            agent = OracleResidual(policy, expert, env.num_envs, scale)
+            agent = OracleResidual(policy, expert, env.num_envs, scale, args.dims)
             with torch.inference_mode():
                 info = evaluate(env, agent, episodes=args.episodes, seed=args.eval_seed, progress=False)
             by_text = info["overall"].get("success_by_instruction") or {
@@ -84,7 +91,7 @@ def run(args) -> dict:
         print(f"{text[:60]:<60} " + " ".join(f"{rows[key][text]:>7.2f}" for key in rows))
     averages = {key: sum(row.values()) / len(row) for key, row in rows.items()}
     print(f"{'average over instructions':<60} " + " ".join(f"{averages[key]:>7.3f}" for key in rows))
-    return {"task": args.task, "episodes": args.episodes, "max_episode_steps": args.max_episode_steps,
+    return {"task": args.task, "episodes": args.episodes, "max_episode_steps": args.max_episode_steps, "dims": args.dims,
             "average": averages, "by_instruction": rows}
 
 
@@ -99,6 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-seed", type=int, default=1000)
     parser.add_argument("--max-episode-steps", type=int, help="the task's time limit (default: the task's; "
                         "vla_table's MT50 protocol: 100)")
+    parser.add_argument("--dims", type=int, nargs="+", help="correct only these action dims (default: all)")
     args = parser.parse_args(argv)
     if args.episodes < 1 or args.num_envs < 1 or any(not 0 < s < EXPERT_SCALE for s in args.scales):
         parser.error(f"--episodes and --num-envs must be >= 1 and every --scales value in (0, {EXPERT_SCALE:g})")

@@ -669,3 +669,17 @@ def test_gradient_signal_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monk
     assert bench.main() == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no_such_key" in err
+
+
+def test_residual_ceiling_dims_corrects_only_the_named_action_dims(tmp_path):
+    from types import SimpleNamespace
+
+    bench = load_benchmark("residual_ceiling")
+    save_tiny_reach_flow(tmp_path / "bc")
+    from embodied_rl.policies import load_policy
+
+    oracle = bench.OracleResidual(load_policy(tmp_path / "bc"), None, 2, scale=0.5, dims=[1])
+    oracle.base = SimpleNamespace(act=lambda obs: torch.tensor([[0.0, 0.0], [0.9, -0.9]]))
+    oracle.expert = SimpleNamespace(act=lambda obs: torch.tensor([[1.0, 1.0], [-1.0, 1.0]]))
+    # dim 0 stays the BC's; dim 1 moves toward the expert by at most 0.5 and stays within [-1, 1]
+    assert torch.allclose(oracle.act(None), torch.tensor([[0.0, 0.5], [0.9, -0.4]]))
