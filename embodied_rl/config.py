@@ -65,6 +65,8 @@ def _describe(value: Any) -> str:
 PER_DIM_KEYS = {"algo.actor_kwargs.action_scale"}
 # numbers that may also be "auto" (the algorithm's config checks the value)
 AUTO_OR_NUMBER_KEYS = {"algo.target_entropy", "algo.ent_coef"}
+# names that may also be a list (the algorithm's config checks the value)
+NAME_OR_LIST_KEYS = {"algo.residual_dims"}
 # switches that may also be "auto" (the algorithm decides from the task)
 AUTO_OR_BOOL_KEYS = {"algo.bootstrap_truncation", "algo.clip_target_q", "use_state"}
 
@@ -86,6 +88,8 @@ def _check_types(reference: Any, composed: Any, overrides: list[str]) -> None:
                 isinstance(value, str) and value.startswith("auto"))
         elif key in AUTO_OR_BOOL_KEYS:
             ok = isinstance(value, bool) or value == "auto"
+        elif key in NAME_OR_LIST_KEYS:
+            ok = isinstance(value, (str, ListConfig))
         elif isinstance(default, bool):
             ok = isinstance(value, bool)
         elif isinstance(default, int):

@@ -159,6 +159,9 @@ def test_bad_residual_config_exits_2(tmp_path, capsys, bc_checkpoint):
     ("residual_sac", "algo.floor_reach=1", "algo.floor_reach must be in (0, 1) or null"),
     ("residual_sac", "algo.floor_reach=0", "algo.floor_reach must be in (0, 1) or null"),
     ("residual_sac", "algo.high_start=0.8", "high_start"),  # the former rule's keys are refused, not ignored
+    ("residual_sac", "algo.residual_dims=[0,0]", "algo.residual_dims must be all, demos or a list of distinct action dims"),
+    ("residual_sac", "algo.residual_dims=some", "algo.residual_dims must be all, demos or a list of distinct action dims"),
+    ("residual_sac", "algo.residual_dims=[0,2]", "algo.residual_dims names action dim 2; task reach acts in 2 (0 to 1)"),
 ])
 def test_a_bad_floor_reach_exits_2(tmp_path, capsys, bc_checkpoint, algo, override, message):
     assert main(finetune_args(algo, bc_checkpoint, tmp_path / "ft") + [override]) == 2

@@ -124,7 +124,7 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
 
     learner: str               # td3 | sac
     residual_scale: float
-    residual_dims: str         # demos: only the action dims the demonstrations move | all
+    residual_dims: Any         # all | demos: only the action dims the demonstrations move | a list of action dims
     residual_penalty: float
     actor_q: str               # mean | min: what of the critic ensemble the actor maximises
     normalize_obs: bool
@@ -152,7 +152,11 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
         return [
             ("learner", self.learner in ("td3", "sac"), "td3 or sac"),
             ("residual_scale", self.residual_scale > 0, "> 0"),
-            ("residual_dims", self.residual_dims in ("demos", "all"), "demos or all"),
+            ("residual_dims", self.residual_dims in ("demos", "all") or (
+                isinstance(self.residual_dims, list) and len(self.residual_dims) > 0
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in self.residual_dims)
+                and len(set(self.residual_dims)) == len(self.residual_dims)),
+             "all, demos or a list of distinct action dims (e.g. [0, 1, 2, 6])"),
             ("residual_penalty", self.residual_penalty >= 0, ">= 0"),
             ("actor_q", self.actor_q in ("mean", "min"), "mean or min"),
             ("actor_hidden_sizes", all(h >= 1 for h in self.actor_hidden_sizes), "a list of sizes >= 1"),
@@ -189,6 +193,13 @@ def validate_config(cfg: Any) -> None:
         raise UserError("algo.reward_shaping adds to the sparse success reward: it needs algo.reward auto or success "
                         "on a task with success, and the simulator's reward (not reward=model:PATH)")
     find_demo_path(cfg)  # a bad algo.data is an error
+    if isinstance(config.residual_dims, list):
+        from embodied_rl.envs.registry import task_class
+
+        action_dim = task_class(cfg.task.name).action_dim
+        if max(config.residual_dims) >= action_dim:
+            raise UserError(f"algo.residual_dims names action dim {max(config.residual_dims)}; task {cfg.task.name} "
+                            f"acts in {action_dim} (0 to {action_dim - 1})")
     if config.interventions == "expert" and not cfg.task.get("expert", False):
         raise UserError(f"algo.interventions=expert needs a scripted expert; task {cfg.task.name} has none")
 
@@ -317,6 +328,19 @@ class ResidualOffPolicyLearner:
 DATA_PARALLEL = True  # runs under torchrun (embodied_rl/distributed.py)
 
 
+def live_dims(cfg: Any, algo: ResidualOffPolicyConfig, action_dim: int) -> list[float] | None:
+    """Per action dim, 1 where the residual acts and 0 where it is off (None: every dim), as
+    `residual_dims` says. Why a list: LIBERO's rotation deltas are velocities the BC policy never
+    saw corrected (its demos hold the orientation), so a small steady residual on them turns the
+    hand away for good, while translation and gripper alone let an oracle residual reach 98% at
+    0.5 (docs/BENCHMARKS.md, LIBERO-Spatial)."""
+    if algo.residual_dims == "all":
+        return None
+    if algo.residual_dims == "demos":
+        return demo_action_dims(cfg, action_dim)
+    return [1.0 if d in algo.residual_dims else 0.0 for d in range(action_dim)]
+
+
 def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     """Collect with base + residual, update at the UTD ratio, evaluate and checkpoint."""
     algo = ResidualOffPolicyConfig.from_cfg(cfg.algo)
@@ -324,8 +348,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     num_envs = int(env.num_envs)
     obs_dim = policy.feature_dim if algo.normalize_obs else policy.obs_dim  # the size of head_input
     action_dim = int(env.single_action_space.shape[0])
-    learner = ResidualOffPolicyLearner(algo, obs_dim, action_dim, device, seed,
-                                       demo_action_dims(cfg, action_dim) if algo.residual_dims == "demos" else None)
+    learner = ResidualOffPolicyLearner(algo, obs_dim, action_dim, device, seed, live_dims(cfg, algo, action_dim))
     distributed.broadcast_modules([learner.actor, learner.actor_target, learner.critic, learner.critic_target])
     distributed.seed_rank(seed)  # the ranks explore and sample their replay with different noise
     warm_start = WarmStart(algo.warmup_env_steps, algo.critic_only_steps, algo.reach_ramp_steps)

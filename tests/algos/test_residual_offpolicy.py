@@ -208,20 +208,21 @@ def test_finetune_end_to_end_with_demos(tmp_path, actor):
 
 
 @pytest.mark.e2e
-def test_a_dim_the_demos_hold_constant_gets_no_residual(tmp_path):
+def test_a_dim_switched_off_by_residual_dims_gets_no_residual(tmp_path):
+    """demos: the dims every demo step holds at one value; a list: the dims it does not name."""
     demos = make_demos(tmp_path / "demos")
     import zarr
 
     zarr.open_group(str(demos), mode="r+")["data"]["action"][:, 1] = 0.5  # every demo step holds dim 1 at 0.5
-    for dims, expected in (("demos", [1.0, 0.0]), ("all", [1.0, 1.0])):
-        cfg = sac_cfg(tmp_path / dims, learner="td3", data=str(demos), residual_dims=dims, warmup_env_steps=40,
+    for name, dims, expected in (("demos", "demos", [1.0, 0.0]), ("all", "all", [1.0, 1.0]), ("list", [0], [1.0, 0.0])):
+        cfg = sac_cfg(tmp_path / name, learner="td3", data=str(demos), residual_dims=dims, warmup_env_steps=40,
                       critic_only_steps=0)
         _, run = run_finetune(cfg)
         path = run.file("checkpoints", "last")
         assert json.loads((path / "agent.json").read_text())["config"]["residual_dims"] == expected
         agent = load_agent(path, num_envs=64)
         residual = agent.net(torch.randn(64, agent.net.trunk[0].in_features - 2), torch.randn(64, 2))
-        assert (residual[:, 1] == 0).all() == (dims == "demos") and (residual[:, 0] != 0).any()
+        assert (residual[:, 1] == 0).all() == (dims != "all") and (residual[:, 0] != 0).any()
 
 
 def test_wsrl_stages_actor_unchanged_before_full_phase(tmp_path):
