@@ -330,10 +330,9 @@ DATA_PARALLEL = True  # runs under torchrun (embodied_rl/distributed.py)
 
 def live_dims(cfg: Any, algo: ResidualOffPolicyConfig, action_dim: int) -> list[float] | None:
     """Per action dim, 1 where the residual acts and 0 where it is off (None: every dim), as
-    `residual_dims` says. Why a list: LIBERO's rotation deltas are velocities the BC policy never
-    saw corrected (its demos hold the orientation), so a small steady residual on them turns the
-    hand away for good, while translation and gripper alone let an oracle residual reach 98% at
-    0.5 (docs/BENCHMARKS.md, LIBERO-Spatial)."""
+    `residual_dims` says. Why a list: a residual needs only the dims the BC policy gets wrong
+    (LIBERO: an oracle residual on translation and gripper reaches 98% at 0.5, as on every dim;
+    docs/finetuning.md), and every dim left out is one the actor cannot drift on."""
     if algo.residual_dims == "all":
         return None
     if algo.residual_dims == "demos":
