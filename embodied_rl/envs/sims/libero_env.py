@@ -15,6 +15,12 @@ steps); an action is LIBERO's 7-d OSC_POSE command (delta position, delta axis-a
 -1 open, +1 closed); success is LIBERO's own `check_success()` (the BDDL goal), which ends the
 episode with reward 1; the time limit is the suite's (configs/task/libero/<suite>.yaml).
 
+Reward: LIBERO's own is 1 at success and 0 before. Where the goal is one pick-and-place
+predicate between two movable objects (every task of LIBERO-Spatial and -Object, two of
+LIBERO-Goal), the reward before success is instead the staged progress of the privileged state
+(`PickPlaceProgress`, in [0, 0.7]): a potential for `algo.reward_shaping`. RL trains on the
+success by default (algo.reward=auto), so this changes nothing unless shaping is asked for.
+
 Observation: {"state": float32 [D], "instruction": the task's id in the suite's instruction
 list, and with pixels=True "pixels": uint8 [S, 2S, 3], the agentview and wrist cameras side by
 side, each S x S and turned 180 degrees as LIBERO's evaluation does}. The state is privileged and
@@ -71,6 +77,45 @@ def load_task(suite: str, task_id: int):
     if not 0 <= task_id < tasks.get_num_tasks():
         raise ValueError(f"LIBERO's {suite} has tasks 0-{tasks.get_num_tasks() - 1}, not {task_id}")
     return tasks.get_task(task_id), tasks.get_task_bddl_file_path(task_id), tasks.get_task_init_states(task_id)
+
+
+class PickPlaceProgress:
+    """How far an episode of "put `picked` on / in `target`" has come, from the privileged state,
+    in stages as robosuite's own PickPlace reward (reach 0.1, grasp 0.35, lift 0.5, over the
+    target 0.7; each stage's distance term `1 - tanh(10 d)`, d in metres), the largest that
+    holds. Lifted: the object's bottom is more than LIFTED above where it rested after settling
+    (a bowl on the plate still counts as lifted). Success itself is 1, outside this."""
+
+    REACH, GRASP, LIFT, OVER = 0.1, 0.35, 0.5, 0.7
+    LIFTED, LIFT_HEIGHT = 0.01, 0.05  # m: off the table; fully lifted
+
+    def __init__(self, env, picked: str, target: str):
+        self.env, self.picked, self.target = env, picked, target
+        self.rest_z = 0.0
+
+    @classmethod
+    def of_goal(cls, env, objects: list[str]) -> PickPlaceProgress | None:
+        """The progress of env's BDDL goal, or None where it is not one `on` / `in` between two
+        movable objects."""
+        goal = env.parsed_problem["goal_state"]
+        if len(goal) != 1 or goal[0][0] not in ("on", "in"):
+            return None
+        picked, target = goal[0][1], goal[0][2].replace("_contain_region", "")
+        return cls(env, picked, target) if picked in objects and target in objects else None
+
+    def start(self, raw: dict) -> None:
+        self.rest_z = float(raw[f"{self.picked}_pos"][2])
+
+    def __call__(self, raw: dict) -> float:
+        hand, picked, target = raw["robot0_eef_pos"], raw[f"{self.picked}_pos"], raw[f"{self.target}_pos"]
+        reach = self.REACH * (1 - np.tanh(10 * np.linalg.norm(hand - picked)))
+        grasped = self.env._check_grasp(gripper=self.env.robots[0].gripper,
+                                        object_geoms=self.env.objects_dict[self.picked])
+        height = float(picked[2]) - self.rest_z
+        lift = self.GRASP + (self.LIFT - self.GRASP) * min(max(height / self.LIFT_HEIGHT, 0.0), 1.0)
+        over = self.LIFT + (self.OVER - self.LIFT) * (1 - np.tanh(10 * np.linalg.norm(picked[:2] - target[:2])))
+        stages = [reach, lift if grasped else 0.0, over if height > self.LIFTED else 0.0]
+        return float(max(stages))
 
 
 def articulated_joints(sim) -> list[int]:
@@ -134,6 +179,7 @@ class LiberoEnv:
         self.action_space = gymnasium.spaces.Box(np.float32(low), np.float32(high), dtype=np.float32)
         self._rng = np.random.default_rng()
         self._steps = 0
+        self.progress = PickPlaceProgress.of_goal(self._env.env, self._objects)
 
     @property
     def objects(self) -> list[str]:
@@ -161,12 +207,16 @@ class LiberoEnv:
         for _ in range(WAIT_STEPS):
             raw, _, _, _ = self._env.step(np.asarray(WAIT_ACTION))
         self._steps = 0
+        if self.progress is not None:
+            self.progress.start(raw)
         return self._observation(raw), {"init_state": index}
 
     def step(self, action):
         raw, reward, _, _ = self._env.step(np.asarray(action, dtype=np.float64))
         self._steps += 1
         success = bool(self._env.check_success())
+        if self.progress is not None and not success:
+            reward = self.progress(raw)
         truncated = self._steps >= self.max_episode_steps and not success
         return self._observation(raw), float(reward), success, truncated, {"success": success}
 
