@@ -29,16 +29,15 @@ import argparse
 import json
 
 import torch
-from torch import nn
 
-from embodied_rl.actors.base import head_input, layer_norm_mlp
+from embodied_rl.actors.base import head_input
 from embodied_rl.actors.checkpoint import with_prefix
-from embodied_rl.policies.runner import map_obs
+from embodied_rl.algos.offpolicy import QEnsemble
 
 SIGNIFICANT = 0.05  # |a_expert - b| below this on a dim: the expert does not ask for a correction there
 
 
-def load_critics(tensors: dict[str, torch.Tensor]) -> nn.ModuleList:
+def load_critics(tensors: dict[str, torch.Tensor]) -> QEnsemble:
     """The Q ensemble of a residual_offpolicy checkpoint (critic.critics.<k>.*), its sizes read
     off the weights."""
     critic = with_prefix("critic.", tensors)
@@ -46,10 +45,9 @@ def load_critics(tensors: dict[str, torch.Tensor]) -> nn.ModuleList:
     linear = sorted({int(key.split(".")[2]) for key in critic if key.startswith("critics.0.") and
                      critic[key].dim() == 2})
     sizes = [critic[f"critics.0.{index}.weight"].shape[0] for index in linear]
-    input_dim = critic[f"critics.0.{linear[0]}.weight"].shape[1]
-    critics = nn.ModuleList(layer_norm_mlp(input_dim, 1, sizes[:-1]) for _ in range(count))
-    critics.load_state_dict({key[len("critics."):]: value for key, value in critic.items()})
-    return critics.eval().requires_grad_(False)
+    ensemble = QEnsemble(critic[f"critics.0.{linear[0]}.weight"].shape[1], sizes[:-1], count)
+    ensemble.load_state_dict(critic)
+    return ensemble.eval().requires_grad_(False)
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -89,10 +87,10 @@ def run(args) -> dict:
             with torch.no_grad():
                 base = runner.act(obs).float()
                 target = expert.act(obs).float()
-                features = head_input(policy, map_obs(lambda o: o, obs), normalize)
+                features = head_input(policy, obs, normalize)
                 residual = net(features, base)
             action = base.clone().requires_grad_(True)
-            q = torch.stack([c(torch.cat([features, base, action], -1)).squeeze(-1) for c in critics]).mean(0)
+            q = critics(features, base, action).mean(0)  # Q(s, b, a), as the actor's loss reads it
             (slope,) = torch.autograd.grad(q.sum(), action)
             wanted = (target - base)[:, live]
             slope, residual = slope[:, live], residual[:, live]

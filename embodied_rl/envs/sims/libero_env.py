@@ -83,7 +83,7 @@ class PickPlaceProgress:
     """How far an episode of "put `picked` on / in `target`" has come, from the privileged state,
     in stages as robosuite's own PickPlace reward (reach 0.1, grasp 0.35, lift 0.5, over the
     target 0.7; each stage's distance term `1 - tanh(10 d)`, d in metres), the largest that
-    holds. Lifted: the object's bottom is more than LIFTED above where it rested after settling
+    holds. Lifted: the object is more than LIFTED above where it rested after settling
     (a bowl on the plate still counts as lifted). Success itself is 1, outside this."""
 
     REACH, GRASP, LIFT, OVER = 0.1, 0.35, 0.5, 0.7
