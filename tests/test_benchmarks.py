@@ -683,3 +683,28 @@ def test_residual_ceiling_dims_corrects_only_the_named_action_dims(tmp_path):
     oracle.expert = SimpleNamespace(act=lambda obs: torch.tensor([[1.0, 1.0], [-1.0, 1.0]]))
     # dim 0 stays the BC's; dim 1 moves toward the expert by at most 0.5 and stays within [-1, 1]
     assert torch.allclose(oracle.act(None), torch.tensor([[0.0, 0.5], [0.9, -0.4]]))
+
+
+def test_critic_alignment_reads_the_checkpoint_s_critics_and_compares_on_the_bc_s_states(tmp_path):
+    from embodied_rl.actors.residual_offpolicy import make_residual_net, residual_tensors
+    from embodied_rl.algos.offpolicy import QEnsemble
+    from embodied_rl.cli import main
+
+    bench = load_benchmark("critic_alignment")
+    torch.manual_seed(0)
+    critic = QEnsemble(12, [16, 8], 3)  # the sizes come back from the weights alone
+    net = make_residual_net({"obs_dim": 4, "action_dim": 4, "hidden_sizes": [8], "residual_scale": 0.5, "learner": "td3"})
+    loaded = bench.load_critics(residual_tensors(net, critic))
+    inputs = torch.randn(5, 12)
+    assert torch.equal(loaded(inputs), critic(inputs).detach())
+
+    save_tiny_reach_flow(tmp_path / "bc")
+    assert main(["finetune", "task=reach", "algo=residual_offpolicy", f"checkpoint={tmp_path / 'bc'}", "env_steps=80",
+                 "num_envs=4", "eval_every=0", "eval_episodes=2", "videos=0", "algo.actor_hidden_sizes=[16,16]",
+                 "algo.critic_hidden_sizes=[16,16]", "algo.batch_size=8", "algo.warmup_env_steps=8",
+                 "algo.critic_only_steps=0", f"run_dir={tmp_path / 'run'}"]) == 0
+    result = bench.run(bench.parse_args(["--checkpoint", str(tmp_path / "run"), "--task", "reach", "--episodes", "4",
+                                         "--num-envs", "4"]))
+    assert result["episodes"] >= 4 and result["dims"] == [0, 1]
+    assert -1 <= result["slope_cosine"] <= 1 and -1 <= result["residual_cosine"] <= 1
+    assert all(count > 0 for count in result["steps_asking"].values())
