@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 
 from embodied_rl.actors.base import head_input
 from embodied_rl.actors.checkpoint import with_prefix
 from embodied_rl.algos.offpolicy import QEnsemble
+from embodied_rl.errors import UserError
 
 SIGNIFICANT = 0.05  # |a_expert - b| below this on a dim: the expert does not ask for a correction there
 
@@ -65,7 +67,7 @@ def run(args) -> dict:
     path = resolve_checkpoint(args.checkpoint)
     kind, config, _ = read_agent_json(path)
     if kind != "residual_offpolicy":
-        raise SystemExit(f"{path} is a {kind} checkpoint, not residual_offpolicy")
+        raise UserError(f"checkpoint '{path}' is a {kind} agent, not residual_offpolicy")
     tensors = load_agent_tensors(path)
     policy = load_policy(path / "base_policy").eval()
     net = make_residual_net(config)
@@ -138,4 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(parse_args())))
+    try:
+        print(json.dumps(run(parse_args())))
+    except UserError as error:  # a checkpoint that is not a residual TD3/SAC one: one line, exit 2
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -708,3 +708,9 @@ def test_critic_alignment_reads_the_checkpoint_s_critics_and_compares_on_the_bc_
     assert result["episodes"] >= 4 and result["dims"] == [0, 1]
     assert -1 <= result["slope_cosine"] <= 1 and -1 <= result["residual_cosine"] <= 1
     assert all(count > 0 for count in result["steps_asking"].values())
+    # a checkpoint that is not residual TD3/SAC: one line, exit 2
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "critic_alignment.py"), "--checkpoint",
+                           str(tmp_path / "bc"), "--task", "reach"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "agent.json" in done.stderr
