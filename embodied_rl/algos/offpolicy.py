@@ -3,7 +3,7 @@ the demos the same way): each algorithm file keeps only what differs, and import
 
 - `OffPolicyConfig`: the config keys they all have.
 - `QEnsemble`: E LayerNorm critics Q(x_1, ..., x_k) -> [E, B] over any inputs (flattened and
-  concatenated), and `random_pair_min`, REDQ's TD target over two of them; `critic_and_target`
+  concatenated), and `random_min`, REDQ's TD target over a random few of them; `critic_and_target`
   makes an ensemble and its target network, `critic_step` regresses it on a TD target, and
   `actor_q` is what an actor loss reads of it.
 - `Replay`: a circular buffer of transitions (a dict of named tensors) whose storage grows as it
@@ -123,14 +123,12 @@ def actor_q(critic: QEnsemble, *inputs: Tensor, reduce: str = "mean") -> Tensor:
     return q
 
 
-def random_pair_min(q_values: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """[E, B] ensemble values -> [B]: the minimum over two distinct critics drawn at random
-    (one pair per batch, as in REDQ)."""
-    ensemble = q_values.shape[0]
-    if ensemble < 2:
-        return q_values[0]
-    pair = torch.randperm(ensemble, generator=generator)[:2].to(q_values.device)
-    return q_values[pair].min(0).values
+def random_min(q_values: Tensor, size: int = 2, generator: torch.Generator | None = None) -> Tensor:
+    """[E, B] ensemble values -> [B]: the minimum over `size` distinct critics drawn at random,
+    one draw per batch (REDQ's and RLPD's num_min_qs: 2 is clipped double Q over a random pair;
+    1 takes one random critic, no minimum)."""
+    subset = torch.randperm(q_values.shape[0], generator=generator)[:size].to(q_values.device)
+    return q_values[subset].min(0).values
 
 
 def normalised_q(q: Tensor) -> Tensor:

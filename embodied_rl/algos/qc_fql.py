@@ -51,7 +51,7 @@ from embodied_rl.algos.offpolicy import (
     load_demos,
     normalised_q,
     polyak,
-    random_pair_min,
+    random_min,
 )
 from embodied_rl.algos.wsrl import deploy_check, judged_deployment
 from embodied_rl.errors import UserError
@@ -122,7 +122,7 @@ class QCFQL:
         n = len(batch["cond"])
         with torch.no_grad():
             next_chunk = self.executed(self.actor(batch["next_cond"], self.noise(n)))
-            next_q = random_pair_min(self.critic_target(batch["next_cond"], next_chunk), self.generator)
+            next_q = random_min(self.critic_target(batch["next_cond"], next_chunk), 2, self.generator)
             target = batch["reward"] + batch["discount"] * next_q
         critic_loss, q = critic_step(self.critic, self.critic_optimizer, target, batch["cond"], batch["chunk"])
 

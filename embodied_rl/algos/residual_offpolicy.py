@@ -3,7 +3,8 @@
 Ankile et al. (2025), "From Imitation to Refinement: Residual RL for Precise Assembly" / ResFiT:
 a frozen BC policy proposes b_t; an actor on [obs, b_t] adds a bounded correction (zero at the
 start); the critic is an ensemble Q_1..Q_E(s, b, a) with LayerNorm whose TD target is the
-minimum over a random pair of target critics (REDQ); n-step returns are computed per env over
+minimum over a random pair of target critics (REDQ; `target_min_of: 1` takes one random critic,
+RLPD's setting for sparse long-horizon AntMaze); n-step returns are computed per env over
 many parallel envs; each batch mixes demonstrations (actions from the BC dataset, base actions
 relabelled by the base policy) and online data, 50/50 by default; the update-to-data ratio is a
 config value. The WSRL stages (algos/wsrl.py) come first: base-policy rollouts, critic-only
@@ -71,7 +72,7 @@ from embodied_rl.algos.offpolicy import (
     find_demo_path,
     load_demos,
     polyak,
-    random_pair_min,
+    random_min,
 )
 from embodied_rl.algos.wsrl import (
     CRITIC,
@@ -130,6 +131,7 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
     normalize_obs: bool
     actor_hidden_sizes: list[int]
     critic_hidden_sizes: list[int]
+    target_min_of: int         # the TD target is the minimum over this many critics drawn at random
     n_step: int
     init_alpha: float
     target_entropy: Any        # "auto" or a number
@@ -162,6 +164,7 @@ class ResidualOffPolicyConfig(OffPolicyConfig):
             ("actor_hidden_sizes", all(h >= 1 for h in self.actor_hidden_sizes), "a list of sizes >= 1"),
             ("critic_hidden_sizes", all(h >= 1 for h in self.critic_hidden_sizes), "a list of sizes >= 1"),
             ("ensemble", self.ensemble >= 2, ">= 2"),
+            ("target_min_of", 1 <= self.target_min_of <= self.ensemble, "from 1 to algo.ensemble"),
             ("n_step", self.n_step >= 1, ">= 1"),
             *super().checks(),
             ("batch_size", self.batch_size >= 1, ">= 1"),
@@ -270,7 +273,8 @@ class ResidualOffPolicyLearner:
         alpha = self.log_alpha.exp().detach() if self.algo.learner == "sac" else torch.zeros((), device=self.device)
         with torch.no_grad():
             next_action, next_log_prob = self._next_action(batch["next_obs"], batch["next_base"])
-            next_q = random_pair_min(self.critic_target(batch["next_obs"], batch["next_base"], next_action), self.generator)
+            next_q = random_min(self.critic_target(batch["next_obs"], batch["next_base"], next_action),
+                                int(self.algo.target_min_of), self.generator)
             target = batch["reward"] + batch["discount"] * (next_q - alpha * next_log_prob)
         critic_loss, q = critic_step(self.critic, self.critic_optimizer, target, batch["obs"], batch["base"],
                                      batch["action"])

@@ -55,7 +55,7 @@ from embodied_rl.algos.offpolicy import (
     load_demos,
     normalised_q,
     polyak,
-    random_pair_min,
+    random_min,
 )
 from embodied_rl.algos.wsrl import deploy_check, judged_deployment
 from embodied_rl.errors import UserError
@@ -163,7 +163,7 @@ class SACFlow:
         with torch.no_grad():
             next_chunk, next_logprob = self.chain.draw(batch["next_cond"])
             next_executed = executed_actions(self.policy, next_chunk).clamp(-1.0, 1.0)
-            next_q = random_pair_min(self.critic_target(batch["next_cond"], next_executed), self.generator)
+            next_q = random_min(self.critic_target(batch["next_cond"], next_executed), 2, self.generator)
             target = batch["reward"] + batch["discount"] * (next_q - alpha * next_logprob)
         critic_loss, q = critic_step(self.critic, self.critic_optimizer, target, batch["cond"], batch["chunk"])
         stats = {"train/critic_loss": critic_loss.item(), "train/q": q.mean().item(), "train/alpha": float(alpha)}

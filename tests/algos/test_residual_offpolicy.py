@@ -12,7 +12,7 @@ from embodied_rl import envs
 from embodied_rl.actors import load_agent, load_agent_tensors
 from embodied_rl.actors.checkpoint import with_prefix
 from embodied_rl.actors.residual_offpolicy import ResidualAgent, ResidualPolicyNet
-from embodied_rl.algos.offpolicy import demo_transitions, random_pair_min
+from embodied_rl.algos.offpolicy import demo_transitions, random_min
 from embodied_rl.algos.residual_offpolicy import (
     ResidualOffPolicyConfig,
     ResidualOffPolicyLearner,
@@ -48,19 +48,22 @@ def test_nstep_returns_ignore_the_next_episode():
     assert ret.item() == pytest.approx(1.0) and discount.item() == pytest.approx(G) and last.item() == 0
 
 
-def test_random_pair_minimum():
+def test_random_minimum_over_a_subset_of_critics():
     q = torch.stack([torch.full((5,), float(i)) for i in range(10)])  # critic i predicts i
-    seen = set()
+    pair_values, single_values = set(), set()
     for seed in range(50):
-        out = random_pair_min(q, torch.Generator().manual_seed(seed))
+        out = random_min(q, 2, torch.Generator().manual_seed(seed))
         value = out[0].item()
         assert torch.all(out == value)  # one pair for the whole batch
-        seen.add(value)
+        pair_values.add(value)
         assert value < 9  # the min of two distinct critics is never the largest one
-    assert len(seen) > 3  # the pair is random, not always the same two critics
-    # with two critics it is the plain minimum
+        single_values.add(random_min(q, 1, torch.Generator().manual_seed(seed))[0].item())
+    assert len(pair_values) > 3  # the pair is random, not always the same two critics
+    assert 9.0 in single_values and len(single_values) > 5  # size 1: any one critic, no minimum
+    # with two critics and size 2 it is the plain minimum; all ten: the minimum of all
     two = torch.tensor([[1.0, 5.0], [3.0, 2.0]])
-    assert torch.equal(random_pair_min(two), torch.tensor([1.0, 2.0]))
+    assert torch.equal(random_min(two, 2), torch.tensor([1.0, 2.0]))
+    assert torch.equal(random_min(q, 10), torch.zeros(5))
 
 
 def test_residual_actor_starts_at_zero_and_is_bounded():
@@ -319,3 +322,42 @@ def test_actor_q_min_is_the_ensembles_minimum_and_reaches_only_the_actions(tmp_p
 
     with pytest.raises(UserError, match="actor_q"):
         validate_config(sac_cfg(tmp_path, actor_q="max"))
+
+
+@pytest.mark.parametrize("target_min_of", [1, 2])
+def test_the_td_target_is_the_minimum_over_target_min_of_critics(tmp_path, monkeypatch, target_min_of):
+    from embodied_rl.algos import residual_offpolicy
+
+    algo = ResidualOffPolicyConfig.from_cfg(sac_cfg(tmp_path, learner="td3", target_min_of=target_min_of).algo)
+    learner = ResidualOffPolicyLearner(algo, obs_dim=3, action_dim=2, device=torch.device("cpu"), seed=0)
+
+    def constant_targets():  # target critic i predicts i everywhere (again after each update's Polyak step)
+        with torch.no_grad():
+            for i, q in enumerate(learner.critic_target.critics):
+                q[-1].weight.zero_()
+                q[-1].bias.fill_(float(i))
+
+    targets = []
+
+    def spy(critic, optimizer, target, *inputs):
+        targets.append(target[0].item())
+        return critic_step(critic, optimizer, target, *inputs)
+
+    critic_step = residual_offpolicy.critic_step
+    monkeypatch.setattr(residual_offpolicy, "critic_step", spy)
+    batch = {"obs": torch.randn(8, 3), "base": torch.zeros(8, 2), "action": torch.zeros(8, 2), "reward": torch.zeros(8),
+             "discount": torch.ones(8), "next_obs": torch.randn(8, 3), "next_base": torch.zeros(8, 2)}
+    for _ in range(40):
+        constant_targets()
+        learner.update(batch, update_actor=False)
+    # ensemble 4: the min of a random pair is never the largest critic (3); one random critic is each of them
+    expected = {0.0, 1.0, 2.0, 3.0} if target_min_of == 1 else {0.0, 1.0, 2.0}
+    assert {round(t, 4) for t in targets} == expected
+
+
+def test_target_min_of_beyond_the_ensemble_is_refused(tmp_path):
+    from embodied_rl.algos.residual_offpolicy import validate_config
+    from embodied_rl.errors import UserError
+
+    with pytest.raises(UserError, match="target_min_of"):
+        validate_config(sac_cfg(tmp_path, target_min_of=5))
