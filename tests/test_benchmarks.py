@@ -714,3 +714,50 @@ def test_critic_alignment_reads_the_checkpoint_s_critics_and_compares_on_the_bc_
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "critic_alignment.py"), "--checkpoint",
                            str(tmp_path / "bc"), "--task", "reach"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "agent.json" in done.stderr
+
+
+def test_monte_carlo_returns_chain_n_step_rows_and_stop_at_episode_ends():
+    bench = load_benchmark("critic_calibration")
+    gamma, n = 0.5, 2
+    # one env, per-step rewards 0, 0, 1 (terminated at step 2), then 0, 0 (truncated at step 4: on the last step of
+    # row 3's window, which therefore carries a running window's discount), then an episode still going on
+    step_reward = [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    ends = {2: "terminated", 4: "truncated"}
+    reward, discount = [], []
+    for t in range(len(step_reward) - n + 1):  # the replay holds a row once its window is complete
+        total, k = 0.0, 0
+        while True:  # the n-step row of step t, as residual_offpolicy's nstep_returns writes it
+            total += gamma**k * step_reward[t + k]
+            if ends.get(t + k) or k == n - 1:
+                break
+            k += 1
+        reward.append(total)
+        discount.append(0.0 if ends.get(t + k) == "terminated" else gamma ** (k + 1))
+    assert discount[3] == gamma**n
+    returns, known, running = bench.monte_carlo(torch.tensor(reward)[:, None], torch.tensor(discount)[:, None], n, gamma)
+    assert torch.allclose(returns[:5, 0], torch.tensor([0.25, 0.5, 1.0, 0.0, 0.0]))
+    assert known[:, 0].tolist() == [True] * 5 + [False]  # the last episode has not ended in the buffer
+    assert running[:, 0].tolist() == [True, False, False, False, False, True]
+
+
+def test_critic_calibration_compares_a_run_s_critics_and_sarsa_refits_with_its_returns(tmp_path):
+    from embodied_rl.cli import main
+
+    bench = load_benchmark("critic_calibration")
+    save_tiny_reach_flow(tmp_path / "bc")
+    assert main(["finetune", "task=reach", "algo=residual_offpolicy", f"checkpoint={tmp_path / 'bc'}", "env_steps=400",
+                 "num_envs=4", "eval_every=0", "eval_episodes=2", "videos=0", "algo.actor_hidden_sizes=[16,16]",
+                 "algo.critic_hidden_sizes=[16,16]", "algo.batch_size=8", "algo.warmup_env_steps=8",
+                 "algo.critic_only_steps=0", f"run_dir={tmp_path / 'run'}"]) == 0
+    result = bench.run(bench.parse_args(["--checkpoint", str(tmp_path / "run"), "--refit", "20", "--rows", "50"]))
+    assert result["rows"] > 0 and result["sample"] == min(50, result["rows"]) and result["n_step"] == 3
+    for report in [result["checkpoint_critics"], *result["refit"].values()]:
+        assert sum(bucket["rows"] for bucket in report["by_return"].values()) == result["sample"]
+        assert 0 <= report["q_below_zero"] <= 1
+    assert sorted(result["refit"]) == [1, 2]
+    # not a residual run's checkpoint: one line, exit 2
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "critic_calibration.py"), "--checkpoint",
+                           str(tmp_path / "bc")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "replay.pt" in done.stderr
