@@ -30,7 +30,13 @@ from pathlib import Path
 
 import torch
 
-from embodied_rl.algos.offpolicy import QEnsemble, critic_and_target, critic_step, polyak, random_min
+from embodied_rl.algos.offpolicy import (
+    QEnsemble,
+    critic_and_target,
+    critic_step,
+    polyak,
+    random_min,
+)
 from embodied_rl.errors import UserError
 
 BUCKETS = [(0.0, 0.05), (0.05, 0.3), (0.3, 0.6), (0.6, float("inf"))]  # of the Monte-Carlo return
