@@ -53,6 +53,23 @@ def test_collect_records_a_checkpoints_rollouts_with_the_true_success_per_step(r
     assert 0 < info["policy_success_rate"] < 1
 
 
+def test_collect_action_noise_perturbs_a_checkpoints_rollouts_and_is_recorded(reward_run, tmp_path, capsys):
+    checkpoint, data, _ = reward_run
+    noisy = tmp_path / "noisy"
+    assert main(["collect", *REACH, f"checkpoint={checkpoint}", "demos=16", "num_envs=8", "action_noise=0.5",
+                 f"run_dir={noisy}"]) == 0
+    clean, perturbed = DemoDataset.load(data), DemoDataset.load(noisy / "demos.zarr")
+    assert perturbed.attrs["action_noise"] == 0.5 and clean.attrs["action_noise"] == 0.0
+    # the same seed and checkpoint: the first step's observations agree, its actions do not
+    assert torch.equal(torch.as_tensor(clean.obs[0]), torch.as_tensor(perturbed.obs[0]))
+    assert not torch.allclose(torch.as_tensor(clean.action[0]), torch.as_tensor(perturbed.action[0]))
+    assert float(abs(perturbed.action).max()) <= 1.0
+    capsys.readouterr()
+    refused(tmp_path, capsys, ["collect", *REACH, "demos=2", "action_noise=0.1"], "action_noise perturbs a checkpoint")
+    refused(tmp_path, capsys, ["collect", *REACH, f"checkpoint={checkpoint}", "action_noise=-1"],
+            "action_noise must be a number in [0, 2]")
+
+
 def test_train_reward_writes_the_model_its_scores_and_a_plot(reward_run, capsys):
     _, _, run_dir = reward_run
     info = json.loads((run_dir / "reward_info.json").read_text())

@@ -11,6 +11,8 @@ was kept is written.
 `checkpoint=PATH` records a policy checkpoint's rollouts instead of the expert's (BC or
 fine-tuned; a run directory stands for its checkpoints/last), successes and failures alike by
 default: the data train-reward learns success and progress from (docs/rewards.md).
+`action_noise=STD` adds Gaussian noise to the checkpoint's actions (clamped to [-1, 1]): the
+exploring rollouts whose failures a reward model must also refuse to pay.
 
 `camera=NAME` (with pixels=true) records that MJCF camera's frames instead of the task's, while a
 pixel policy still reads the task's: a reward model's own view (tabletop's `top`, docs/rewards.md).
@@ -69,6 +71,9 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
         if cfg.quality != cfg.task.get("quality", cfg.quality):
             raise UserError("quality sets the scripted expert's quality; a checkpoint's rollouts have none "
                             "(leave quality out with checkpoint=)")
+    elif cfg.action_noise:
+        raise UserError("action_noise perturbs a checkpoint's actions; the scripted expert's noise is quality= "
+                        "(set checkpoint=PATH, or leave action_noise out)")
     elif cfg.task.get("expert") is False:
         raise UserError(f"task '{cfg.task.name}' has no scripted expert, so collect cannot make demos for it "
                         "(checkpoint=PATH records a policy's rollouts instead)")
@@ -84,6 +89,9 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
     if cfg.per_instruction is not None and (not isinstance(cfg.per_instruction, int)
                                             or isinstance(cfg.per_instruction, bool) or cfg.per_instruction < 1):
         raise UserError(f"per_instruction must be null or an integer >= 1, got {cfg.per_instruction!r}")
+    noise = cfg.action_noise
+    if not isinstance(noise, (int, float)) or isinstance(noise, bool) or not 0.0 <= float(noise) <= 2.0:
+        raise UserError(f"action_noise must be a number in [0, 2] (a std in the [-1, 1] action units), got {noise!r}")
     if cfg.camera is not None and not cfg.pixels:
         raise UserError(f"camera={cfg.camera} chooses the camera whose frames are recorded: set pixels=true")
     if cfg.max_episodes is not None and cfg.max_episodes < cfg.demos:
@@ -198,6 +206,22 @@ def env_options(cfg: DictConfig, policy: Any | None) -> dict[str, Any]:
     return options
 
 
+class NoisyAgent:
+    """An agent whose actions get Gaussian noise of std `std`, clamped to [-1, 1]."""
+
+    def __init__(self, agent: Any, std: float, seed: int):
+        self.agent, self.std = agent, std
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def reset(self, mask: torch.Tensor | None = None) -> None:
+        self.agent.reset(mask)
+
+    def act(self, obs: Any) -> torch.Tensor:
+        actions = self.agent.act(obs)
+        noise = torch.randn(actions.shape, generator=self.generator).to(actions.device, actions.dtype)
+        return (actions + self.std * noise).clamp(-1.0, 1.0)
+
+
 class PooledFramesAgent:
     """A pixel policy's agent that reads the env's frames pooled to its own size."""
 
@@ -235,6 +259,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         out = Path(cfg.out) if cfg.out is not None else run.file("demos.zarr")
         if policy is not None and policy.obs_mode == "pixels":
             agent = PooledFramesAgent(agent, policy.env_options()["image_size"])
+        if agent is not None and cfg.action_noise:
+            agent = NoisyAgent(agent, float(cfg.action_noise), int(cfg.seed) + 2)
         if agent is None:
             generator = torch.Generator().manual_seed(int(cfg.seed) + 1)
             agent = make_expert(cfg.task.name, env, quality=float(cfg.quality), generator=generator)
@@ -259,7 +285,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
             f"the {who} kept no episode in {attempted} attempts (success rate {success_rate or 0:.2f}); "
             + ("raise quality or set only_success=false" if who == "expert" else "set only_success=false")
         )
-    source = {"quality": float(cfg.quality)} if who == "expert" else {"checkpoint": str(checkpoint)}
+    source = ({"quality": float(cfg.quality)} if who == "expert"
+              else {"checkpoint": str(checkpoint), "action_noise": float(cfg.action_noise)})
     attrs = {
         "task": cfg.task.name, "obs_dim": obs_dim, "action_dim": action_dim, **source, "seed": int(cfg.seed),
         "backend": resolve_backend(cfg.task.name, cfg.backend),
