@@ -761,3 +761,50 @@ def test_critic_calibration_compares_a_run_s_critics_and_sarsa_refits_with_its_r
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "critic_calibration.py"), "--checkpoint",
                            str(tmp_path / "bc")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "replay.pt" in done.stderr
+
+
+@pytest.mark.e2e
+def test_dsrl_best_of_n_executes_the_candidate_its_action_critics_value_most(tmp_path, capsys):
+    from embodied_rl.cli import main
+    from embodied_rl.data.dataset import write_demos
+    from embodied_rl.policies import save_policy
+    from tests.algos.test_dsrl import tiny_policy
+
+    rng = np.random.default_rng(0)
+    episodes = [{"obs": rng.standard_normal((10, 8)).astype(np.float32),
+                 "action": rng.uniform(-1, 1, (10, 2)).astype(np.float32),
+                 "reward": np.zeros(10, np.float32), "success": False} for _ in range(2)]
+    data = write_demos(tmp_path / "demos", episodes, {"task": "reach", "obs_dim": 8, "action_dim": 2})
+    bc = save_policy(tiny_policy(task="reach"), tmp_path / "bc", extra={"dataset": str(data)})
+    run_dir = tmp_path / "ft"
+    assert main(["finetune", "task=reach", "algo=dsrl_na", f"checkpoint={bc}", f"run_dir={run_dir}", "num_envs=4",
+                 "env_steps=160", "eval_every=160", "eval_episodes=4", "videos=0", "algo.warmup_env_steps=40",
+                 "algo.critic_only_steps=40", "algo.hidden_sizes=[16,16]", "algo.batch_size=32"]) == 0
+    bench = load_benchmark("dsrl_best_of_n")
+    result = bench.run(bench.parse_args(["--checkpoint", str(run_dir), "--task", "reach", "--episodes", "8",
+                                         "--num-envs", "4", "--candidates", "1", "4", "--source", "actor", "prior"]))
+    assert set(result["results"]) == {"actor, N=1", "actor, N=4", "prior, N=1", "prior, N=4"}
+    assert all(0.0 <= row["success"] <= 1.0 for row in result["results"].values())
+
+    # one plan: the chunk executed is the candidate with the highest min-over-ensemble Q_A
+    from embodied_rl.actors import load_agent
+    from embodied_rl.actors.base import head_input
+
+    checkpoint = run_dir / "checkpoints" / "last"
+    noise_agent = load_agent(checkpoint, 2)
+    config = json.loads((checkpoint / "agent.json").read_text())["config"]
+    policy = noise_agent.policy
+    critic = bench.load_action_critic(checkpoint, config["obs_dim"], policy.n_action_steps * policy.action_dim, config)
+    agent = bench.BestOfNAgent(noise_agent, critic, candidates=6, source="prior")
+    candidates = []
+    predict = policy.predict_chunk
+    policy.predict_chunk = lambda obs, noise: candidates.append(predict(obs, noise=noise)) or candidates[-1]
+    history = torch.randn(2, policy.n_obs_steps, 8)
+    with torch.no_grad():
+        chosen = agent.plan(history, torch.arange(2))
+        executed = bench.executed_actions(policy, candidates[0])  # [2 * 6, Ta, A]
+        features = head_input(policy, history.repeat_interleave(6, 0)[:, -1])
+        q = torch.cat([c(torch.cat([features, executed.reshape(12, -1)], 1)) for c in critic], 1).min(1)[0]
+    best = q.reshape(2, 6).argmax(1) + torch.tensor([0, 6])
+    assert torch.equal(chosen, executed[best])
+    assert not torch.equal(executed[0], executed[1])  # the candidates differ, so the choice is not trivial

@@ -1,0 +1,141 @@
+"""What a DSRL-NA run's action critic adds at deployment: value-guided best-of-N.
+
+At each decision the agent draws N candidate noises, turns each into a chunk with the frozen base
+policy, and executes the chunk its action critics value most (the minimum over the Q_A ensemble,
+as every target and the actor read it). This is how Q-chunking (QC, Li et al. 2025) and V-GPS
+(Nakamoto et al. 2024) extract a policy from a critic without training an actor on it; here the
+critic is the one a DSRL-NA run trained (RUN/checkpoints/<step>/training_state). With N = 1 and
+the actor as the source it is the run's own evaluation agent (the noise actor, sampled).
+
+Candidates come from the noise actor (`actor`: its sampled noises) or from the base policy's prior
+(`prior`: N(0, I) clipped to the noise box, i.e. best-of-N over BC's own chunks). Every N runs the
+same evaluation episodes (same eval seed and envs).
+
+    OMP_NUM_THREADS=1 python benchmarks/dsrl_best_of_n.py --checkpoint runs/vla_libero/dsrl_na_b1/checkpoints/last \
+        --task libero/libero_spatial --episodes 100 --num-envs 20 --candidates 1 8 --source actor prior
+
+Printed: per (source, N) the success rate and its Wilson interval, then per instruction; the last
+line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from embodied_rl.actors import load_agent, read_agent_json, resolve_checkpoint
+from embodied_rl.actors.base import head_input
+from embodied_rl.actors.latent_noise import NoiseActorAgent, make_noise_critic
+from embodied_rl.policies.runner import executed_actions, index_obs, map_obs
+
+
+class BestOfNAgent(NoiseActorAgent):
+    """A DSRL noise agent that plans each chunk as the best of `candidates` under the action critics."""
+
+    def __init__(self, agent: NoiseActorAgent, action_critic: torch.nn.ModuleList, candidates: int, source: str):
+        super().__init__(agent.actor, agent.policy, agent.num_envs, agent.noise_bound, deterministic=False,
+                         obs_features=agent.obs_features)
+        self.action_critic = action_critic
+        self.candidates = candidates
+        self.source = source
+
+    def plan(self, history, envs):
+        history = index_obs(history, envs)
+        n, k = len(envs), self.candidates
+        repeated = map_obs(lambda h: h.repeat_interleave(k, dim=0), history)
+        latest = map_obs(lambda h: h[:, -1], repeated)
+        if self.source == "actor":
+            noise = self.noise(latest)
+        else:
+            shape = (n * k, *self.noise_shape)
+            noise = torch.randn(shape).clamp(-self.noise_bound, self.noise_bound).to(self.policy.device)
+        executed = executed_actions(self.policy, self.policy.predict_chunk(repeated, noise=noise))  # [n*k, Ta, A]
+        if k == 1:
+            return executed
+        features = head_input(self.policy, latest, self.obs_features)
+        inputs = torch.cat([features, executed.reshape(n * k, -1).to(features)], dim=1)
+        q = torch.cat([critic(inputs) for critic in self.action_critic], dim=1).min(1)[0].reshape(n, k)
+        best = q.argmax(1) + torch.arange(n, device=q.device) * k
+        return executed[best]
+
+
+def load_action_critic(checkpoint: Path, obs_dim: int, executed_dim: int, config: dict) -> torch.nn.ModuleList:
+    state = torch.load(checkpoint / "training_state" / "state.pt", map_location="cpu", weights_only=False)
+    learner = state["modules"]["learner"]
+    if "action_critic" not in learner:
+        raise SystemExit(f"{checkpoint}: not a DSRL-NA checkpoint (its training state holds no action critic)")
+    weights = learner["action_critic"]
+    ensemble = len({name.split(".")[0] for name in weights})
+    critic = make_noise_critic(obs_dim, executed_dim, config["net_arch"], ensemble, config.get("activation", "relu"))
+    critic.load_state_dict(weights)
+    return critic.eval()
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
+def run(args) -> dict:
+    from embodied_rl import envs
+    from embodied_rl.eval.evaluate import evaluate
+
+    torch.set_num_threads(1)
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    _, config, _ = read_agent_json(checkpoint)
+    agent = load_agent(checkpoint, args.num_envs)
+    if not isinstance(agent, NoiseActorAgent):
+        raise SystemExit(f"{checkpoint}: not a DSRL checkpoint")
+    policy = agent.policy
+    critic = load_action_critic(checkpoint, config["obs_dim"], policy.n_action_steps * policy.action_dim, config)
+    env = envs.make(args.task, num_envs=args.num_envs, seed=0, **policy.env_options())
+    results: dict[str, dict] = {}
+    try:
+        for source in args.source:
+            for k in args.candidates:
+                label = f"{source}, N={k}"
+                torch.manual_seed(args.eval_seed)
+                with torch.inference_mode():
+                    info = evaluate(env, BestOfNAgent(agent, critic, k, source), episodes=args.episodes,
+                                    seed=args.eval_seed, progress=False)
+                records = info["per_episode"]
+                wins = sum(bool(r["success"]) for r in records)
+                by_text: dict[str, list[float]] = {}
+                for r in records:
+                    by_text.setdefault(r.get("instruction", ""), []).append(float(r["success"]))
+                low, high = wilson(wins, len(records))
+                results[label] = {"success": wins / len(records), "interval": [low, high],
+                                  "by_instruction": {t: sum(v) / len(v) for t, v in by_text.items()}}
+                print(f"{label}: {wins / len(records):.3f} [{low:.3f}, {high:.3f}]", flush=True)
+    finally:
+        env.close()
+    texts = list(next(iter(results.values()))["by_instruction"])
+    print(f"\n{'instruction':<60} " + " ".join(f"{label:>14}" for label in results))
+    for text in texts:
+        print(f"{text[:60]:<60} " + " ".join(f"{row['by_instruction'][text]:>14.2f}" for row in results.values()))
+    return {"checkpoint": str(checkpoint), "task": args.task, "episodes": args.episodes, "results": results}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="a DSRL-NA run's checkpoint (or its run directory)")
+    parser.add_argument("--task", required=True)
+    parser.add_argument("--episodes", type=int, default=100)
+    parser.add_argument("--num-envs", type=int, default=20)
+    parser.add_argument("--candidates", type=int, nargs="+", default=[1, 8], help="the N of best-of-N, one run each")
+    parser.add_argument("--source", nargs="+", choices=("actor", "prior"), default=["actor"],
+                        help="where the candidate noises come from")
+    parser.add_argument("--eval-seed", type=int, default=1000)
+    args = parser.parse_args(argv)
+    if min(args.candidates) < 1 or args.episodes < 1 or args.num_envs < 1:
+        parser.error("--candidates, --episodes and --num-envs must be >= 1")
+    return args
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(parse_args())))
