@@ -4,8 +4,10 @@ At each decision the agent draws N candidate noises, turns each into a chunk wit
 policy, and executes the chunk its action critics value most (the minimum over the Q_A ensemble,
 as every target and the actor read it). This is how Q-chunking (QC, Li et al. 2025) and V-GPS
 (Nakamoto et al. 2024) extract a policy from a critic without training an actor on it; here the
-critic is the one a DSRL-NA run trained (RUN/checkpoints/<step>/training_state). With N = 1 and
-the actor as the source it is the run's own evaluation agent (the noise actor, sampled).
+critic is the one a DSRL-NA run trained (RUN/checkpoints/<step>/training_state), so any DSRL-NA
+checkpoint can be measured; a run with `algo.eval_candidates=N` deploys it (actors/latent_noise.py
+NoiseActorAgent). With N = 1 and the actor as the source it is the run's own evaluation agent (the
+noise actor, sampled).
 
 Candidates come from the noise actor (`actor`: its sampled noises) or from the base policy's prior
 (`prior`: N(0, I) clipped to the noise box, i.e. best-of-N over BC's own chunks). Every N runs the
@@ -27,39 +29,7 @@ from pathlib import Path
 import torch
 
 from embodied_rl.actors import load_agent, read_agent_json, resolve_checkpoint
-from embodied_rl.actors.base import head_input
 from embodied_rl.actors.latent_noise import NoiseActorAgent, make_noise_critic
-from embodied_rl.policies.runner import executed_actions, index_obs, map_obs
-
-
-class BestOfNAgent(NoiseActorAgent):
-    """A DSRL noise agent that plans each chunk as the best of `candidates` under the action critics."""
-
-    def __init__(self, agent: NoiseActorAgent, action_critic: torch.nn.ModuleList, candidates: int, source: str):
-        super().__init__(agent.actor, agent.policy, agent.num_envs, agent.noise_bound, deterministic=False,
-                         obs_features=agent.obs_features)
-        self.action_critic = action_critic
-        self.candidates = candidates
-        self.source = source
-
-    def plan(self, history, envs):
-        history = index_obs(history, envs)
-        n, k = len(envs), self.candidates
-        repeated = map_obs(lambda h: h.repeat_interleave(k, dim=0), history)
-        latest = map_obs(lambda h: h[:, -1], repeated)
-        if self.source == "actor":
-            noise = self.noise(latest)
-        else:
-            shape = (n * k, *self.noise_shape)
-            noise = torch.randn(shape).clamp(-self.noise_bound, self.noise_bound).to(self.policy.device)
-        executed = executed_actions(self.policy, self.policy.predict_chunk(repeated, noise=noise))  # [n*k, Ta, A]
-        if k == 1:
-            return executed
-        features = head_input(self.policy, latest, self.obs_features)
-        inputs = torch.cat([features, executed.reshape(n * k, -1).to(features)], dim=1)
-        q = torch.cat([critic(inputs) for critic in self.action_critic], dim=1).min(1)[0].reshape(n, k)
-        best = q.argmax(1) + torch.arange(n, device=q.device) * k
-        return executed[best]
 
 
 def load_action_critic(checkpoint: Path, obs_dim: int, executed_dim: int, config: dict) -> torch.nn.ModuleList:
@@ -101,8 +71,10 @@ def run(args) -> dict:
                 label = f"{source}, N={k}"
                 torch.manual_seed(args.eval_seed)
                 with torch.inference_mode():
-                    info = evaluate(env, BestOfNAgent(agent, critic, k, source), episodes=args.episodes,
-                                    seed=args.eval_seed, progress=False)
+                    best_of_n = NoiseActorAgent(agent.actor, policy, args.num_envs, agent.noise_bound, deterministic=False,
+                                                obs_features=agent.obs_features, action_critic=critic, candidates=k,
+                                                source=source)
+                    info = evaluate(env, best_of_n, episodes=args.episodes, seed=args.eval_seed, progress=False)
                 records = info["per_episode"]
                 wins = sum(bool(r["success"]) for r in records)
                 by_text: dict[str, list[float]] = {}

@@ -789,20 +789,23 @@ def test_dsrl_best_of_n_executes_the_candidate_its_action_critics_value_most(tmp
     # one plan: the chunk executed is the candidate with the highest min-over-ensemble Q_A
     from embodied_rl.actors import load_agent
     from embodied_rl.actors.base import head_input
+    from embodied_rl.actors.latent_noise import NoiseActorAgent
+    from embodied_rl.policies.runner import executed_actions
 
     checkpoint = run_dir / "checkpoints" / "last"
     noise_agent = load_agent(checkpoint, 2)
     config = json.loads((checkpoint / "agent.json").read_text())["config"]
     policy = noise_agent.policy
     critic = bench.load_action_critic(checkpoint, config["obs_dim"], policy.n_action_steps * policy.action_dim, config)
-    agent = bench.BestOfNAgent(noise_agent, critic, candidates=6, source="prior")
+    agent = NoiseActorAgent(noise_agent.actor, policy, 2, noise_agent.noise_bound, action_critic=critic, candidates=6,
+                            source="prior")
     candidates = []
     predict = policy.predict_chunk
     policy.predict_chunk = lambda obs, noise: candidates.append(predict(obs, noise=noise)) or candidates[-1]
     history = torch.randn(2, policy.n_obs_steps, 8)
     with torch.no_grad():
         chosen = agent.plan(history, torch.arange(2))
-        executed = bench.executed_actions(policy, candidates[0])  # [2 * 6, Ta, A]
+        executed = executed_actions(policy, candidates[0])  # [2 * 6, Ta, A]
         features = head_input(policy, history.repeat_interleave(6, 0)[:, -1])
         q = torch.cat([c(torch.cat([features, executed.reshape(12, -1)], 1)) for c in critic], 1).min(1)[0]
     best = q.reshape(2, 6).argmax(1) + torch.tensor([0, 6])

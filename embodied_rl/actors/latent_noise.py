@@ -38,6 +38,7 @@ from embodied_rl.policies.runner import (
 )
 
 AGENT_KIND = "dsrl"
+ACTION_CRITIC = "action_critic."  # the prefix of DSRL-NA's Q_A tensors in an agent checkpoint
 # hidden activations of the noise actor and critics (DSRL's code: Tanh, bounded where data is thin)
 ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh}
 
@@ -267,17 +268,28 @@ class NoiseActorAgent(ChunkExecutor):
     A ChunkExecutor: an env whose queue is empty draws its noise from the actor at its latest
     observation (a sample of its squashed Gaussian, or with `deterministic` its mean, scaled to
     [-m, m]) and samples one chunk with the base policy from its obs history.
+
+    With `candidates` N > 1 and DSRL-NA's `action_critic` (the Q_A ensemble on executed chunks) it
+    draws N noises per decision (from the actor, or with `source="prior"` from the base policy's own
+    N(0, I) clipped to the box) and executes the chunk whose minimum over the ensemble is highest:
+    value-guided best-of-N, the policy extraction of Q-chunking (QC) and V-GPS.
     """
 
     def __init__(self, actor: nn.Module, policy: Any, num_envs: int, noise_bound: float, deterministic: bool = True,
-                 obs_features: bool = True):
+                 obs_features: bool = True, action_critic: nn.ModuleList | None = None, candidates: int = 1,
+                 source: str = "actor"):
         super().__init__(num_envs, policy.n_obs_steps, policy.n_action_steps, policy.action_dim)
+        if candidates > 1 and action_critic is None:
+            raise ValueError("best-of-N (candidates > 1) needs the action critics that rank the candidates")
         self.actor = actor
         self.policy = policy
         self.obs_features = obs_features
         self.noise_bound = float(noise_bound)
         self.deterministic = deterministic
         self.noise_shape = tuple(int(s) for s in policy.noise_shape)
+        self.action_critic = action_critic
+        self.candidates = int(candidates)
+        self.source = source
 
     @torch.no_grad()
     def noise(self, obs: Obs) -> Tensor:
@@ -288,8 +300,21 @@ class NoiseActorAgent(ChunkExecutor):
 
     def plan(self, history: Obs, envs: Tensor) -> Tensor:
         history = index_obs(history, envs)
-        chunk = self.policy.predict_chunk(history, noise=self.noise(map_obs(lambda h: h[:, -1], history)))
-        return executed_actions(self.policy, chunk)
+        n, k = len(envs), self.candidates
+        if k > 1:
+            history = map_obs(lambda h: h.repeat_interleave(k, dim=0), history)
+        latest = map_obs(lambda h: h[:, -1], history)
+        if self.source == "prior":
+            noise = torch.randn(n * k, *self.noise_shape).clamp(-self.noise_bound, self.noise_bound).to(self.policy.device)
+        else:
+            noise = self.noise(latest)
+        executed = executed_actions(self.policy, self.policy.predict_chunk(history, noise=noise))
+        if k == 1:
+            return executed
+        features = head_input(self.policy, latest, self.obs_features)
+        inputs = torch.cat([features, executed.reshape(n * k, -1).to(features)], dim=1)
+        q = torch.cat([critic(inputs) for critic in self.action_critic], dim=1).min(1)[0].reshape(n, k)
+        return executed[q.argmax(1) + torch.arange(n, device=q.device) * k]
 
 
 class _ScaledActor(nn.Module):
@@ -316,14 +341,29 @@ def make_sb3_policy(obs_dim: int, noise_dim: int, noise_bound: float, net_arch: 
 
 def build_noise_agent(checkpoint: AgentCheckpoint, num_envs: int) -> NoiseActorAgent:
     """The evaluation agent of a "dsrl" checkpoint (DSRL and DSRL-NA): the noise actor sampled, or its
-    mean (`eval_noise` in agent.json; checkpoints written before the key evaluated the mean)."""
+    mean (`eval_noise` in agent.json; checkpoints written before the key evaluated the mean); with
+    `eval_candidates` N > 1, the best of N of its noises under the saved action critics."""
     config = checkpoint.config
     noise_bound = config["noise_bound"]
     sb3_policy = make_sb3_policy(config["obs_dim"], int(np.prod(config["noise_shape"])), noise_bound,
                                  config["net_arch"], config["n_critics"], config.get("activation", "relu"))
-    sb3_policy.load_state_dict(checkpoint.tensors)
-    sb3_policy = sb3_policy.to(checkpoint.base_policy.device).eval()
+    tensors = {name: value for name, value in checkpoint.tensors.items() if not name.startswith(ACTION_CRITIC)}
+    sb3_policy.load_state_dict(tensors)
+    device = checkpoint.base_policy.device
+    sb3_policy = sb3_policy.to(device).eval()
+    candidates = int(config.get("eval_candidates", 1))
+    action_critic = None
+    if candidates > 1:  # DSRL-NA's Q_A ensemble ranks the candidates (saved beside the SB3 policy)
+        base = checkpoint.base_policy
+        weights = {name.removeprefix(ACTION_CRITIC): value for name, value in checkpoint.tensors.items()
+                   if name.startswith(ACTION_CRITIC)}
+        ensemble = len({name.split(".")[0] for name in weights})
+        action_critic = make_noise_critic(config["obs_dim"], base.n_action_steps * base.action_dim, config["net_arch"],
+                                          ensemble, config.get("activation", "relu"))
+        action_critic.load_state_dict(weights)
+        action_critic = action_critic.to(device).eval()
     # checkpoints written before the noise actor read the policy's features have no obs_features
     return NoiseActorAgent(_ScaledActor(sb3_policy.actor, noise_bound), checkpoint.base_policy, num_envs, noise_bound,
                            deterministic=config.get("eval_noise", "mean") == "mean",
-                           obs_features=bool(config.get("obs_features", False)))
+                           obs_features=bool(config.get("obs_features", False)),
+                           action_critic=action_critic, candidates=candidates)

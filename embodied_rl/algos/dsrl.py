@@ -36,6 +36,7 @@ from torch import Tensor
 from embodied_rl.actors import save_agent
 from embodied_rl.actors.base import layer_norm_mlp
 from embodied_rl.actors.latent_noise import (
+    ACTION_CRITIC,
     ACTIVATIONS,
     AGENT_KIND,
     LatentNoiseVecEnv,
@@ -333,6 +334,7 @@ class DSRLConfig(AlgoConfig):
     bootstrap_truncation: Any  # auto | true | false (algos.common.reward_settings)
     clip_target_q: Any        # auto: bootstrapped Q clamped to [0, 1] under the success reward; false: never
     eval_noise: str            # sample | mean: what the evaluation agent takes from the noise actor
+    eval_candidates: int       # noises per decision of the evaluation agent; > 1 (DSRL-NA): the best under Q_A
     warmup_env_steps: int
     critic_only_steps: int
     action_critics: int | None  # DSRL-NA only
@@ -366,6 +368,8 @@ class DSRLConfig(AlgoConfig):
              "auto, auto_<number> or a number"),
             ("target_entropy", self.target_entropy == "auto" or _is_number(self.target_entropy), "auto or a number"),
             ("eval_noise", self.eval_noise in ("sample", "mean"), "sample or mean"),
+            ("eval_candidates", self.eval_candidates == 1 or (self.eval_candidates > 1 and self.action_critics is not None),
+             "1, or > 1 with algo=dsrl_na (its action critics rank the candidates)"),
             ("clip_target_q", self.clip_target_q in ("auto", False), "auto or false"),
             ("warmup_env_steps", self.warmup_env_steps >= 0, ">= 0"),
             ("critic_only_steps", self.critic_only_steps >= 0, ">= 0"),
@@ -430,7 +434,8 @@ def noise_agent_factory(model: DSRL, base_policy: Any, algo: DSRLConfig):
     def make(num_envs: int) -> NoiseActorAgent:
         actor = _ScaledActor(model.actor, model.noise_env.noise_bound)
         return NoiseActorAgent(actor, base_policy, num_envs, model.noise_env.noise_bound,
-                               deterministic=algo.eval_noise == "mean")
+                               deterministic=algo.eval_noise == "mean", candidates=algo.eval_candidates,
+                               action_critic=model.action_critic if algo.eval_candidates > 1 else None)
 
     return make
 
@@ -446,7 +451,23 @@ def _agent_config(algo: DSRLConfig, vec_env: LatentNoiseVecEnv) -> dict[str, Any
         "activation": algo.activation,
         "n_critics": algo.n_critics,
         "eval_noise": algo.eval_noise,
+        "eval_candidates": algo.eval_candidates,
     }
+
+
+def _acting(model: DSRL, algo: DSRLConfig) -> torch.nn.Module:
+    """What the evaluation agent acts with, as one module (what judged deployment swaps and an agent
+    checkpoint holds): SB3's policy, and with best-of-N DSRL-NA's action critics that rank the candidates."""
+    if algo.eval_candidates == 1:
+        return model.policy
+    return torch.nn.ModuleDict({"policy": model.policy, "action_critic": model.action_critic})
+
+
+def _agent_tensors(model: DSRL, algo: DSRLConfig) -> dict[str, Tensor]:
+    tensors = dict(model.policy.state_dict())
+    if algo.eval_candidates > 1:
+        tensors.update({ACTION_CRITIC + name: value for name, value in model.action_critic.state_dict().items()})
+    return tensors
 
 
 def _optimizers(model: DSRL) -> dict[str, Any]:
@@ -533,7 +554,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
 
     evaluation, write_agent = judged_deployment(
         algo.deploy, EnvEvaluation(cfg, run, noise_agent_factory(model, policy, algo), policy.env_options()),
-        model.policy, lambda path: save_agent(path, AGENT_KIND, config, model.policy.state_dict(), policy))
+        _acting(model, algo), lambda path: save_agent(path, AGENT_KIND, config, _agent_tensors(model, algo), policy))
     loop = FinetuneLoop(cfg, run, evaluation)
     saved = loop.resume({"learner": _Learner(model)}, _optimizers(model), write_agent)
     if saved is not None:
