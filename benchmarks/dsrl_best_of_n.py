@@ -30,6 +30,7 @@ import torch
 
 from embodied_rl.actors import load_agent, read_agent_json, resolve_checkpoint
 from embodied_rl.actors.latent_noise import NoiseActorAgent, make_noise_critic
+from embodied_rl.eval.stats import wilson_interval
 
 
 def load_action_critic(checkpoint: Path, obs_dim: int, executed_dim: int, config: dict) -> torch.nn.ModuleList:
@@ -42,13 +43,6 @@ def load_action_critic(checkpoint: Path, obs_dim: int, executed_dim: int, config
     critic = make_noise_critic(obs_dim, executed_dim, config["net_arch"], ensemble, config.get("activation", "relu"))
     critic.load_state_dict(weights)
     return critic.eval()
-
-
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
-    return centre - half, centre + half
 
 
 def run(args) -> dict:
@@ -80,7 +74,7 @@ def run(args) -> dict:
                 by_text: dict[str, list[float]] = {}
                 for r in records:
                     by_text.setdefault(r.get("instruction", ""), []).append(float(r["success"]))
-                low, high = wilson(wins, len(records))
+                low, high = wilson_interval(wins, len(records))
                 results[label] = {"success": wins / len(records), "interval": [low, high],
                                   "by_instruction": {t: sum(v) / len(v) for t, v in by_text.items()}}
                 print(f"{label}: {wins / len(records):.3f} [{low:.3f}, {high:.3f}]", flush=True)
