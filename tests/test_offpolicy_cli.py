@@ -145,6 +145,10 @@ def test_bad_dsrl_na_actor_q_exits_2(tmp_path, capsys, bc_checkpoint):
     args = finetune_args("dsrl", bc_checkpoint, tmp_path / "ft2") + ["algo.actor_q=action_critic"]
     assert main(args) == 2  # the key is DSRL-NA's: plain DSRL has no action critic
     assert not (tmp_path / "ft2").exists()
+    args = finetune_args("dsrl_na", bc_checkpoint, tmp_path / "ft3") + ["algo.eval_candidates=4", "algo.eval_noise=mean"]
+    assert main(args) == 2  # the actor's mean is one noise: N candidates of it are one candidate
+    assert "algo.eval_candidates must be 1, or > 1 with algo=dsrl_na and eval_noise=sample" in capsys.readouterr().err
+    assert not (tmp_path / "ft3").exists()
 
 
 def test_bad_residual_config_exits_2(tmp_path, capsys, bc_checkpoint):

@@ -368,8 +368,9 @@ class DSRLConfig(AlgoConfig):
              "auto, auto_<number> or a number"),
             ("target_entropy", self.target_entropy == "auto" or _is_number(self.target_entropy), "auto or a number"),
             ("eval_noise", self.eval_noise in ("sample", "mean"), "sample or mean"),
-            ("eval_candidates", self.eval_candidates == 1 or (self.eval_candidates > 1 and self.action_critics is not None),
-             "1, or > 1 with algo=dsrl_na (its action critics rank the candidates)"),
+            ("eval_candidates", self.eval_candidates == 1 or (self.eval_candidates > 1 and self.action_critics is not None
+                                                              and self.eval_noise == "sample"),
+             "1, or > 1 with algo=dsrl_na and eval_noise=sample (its action critics rank sampled candidates)"),
             ("clip_target_q", self.clip_target_q in ("auto", False), "auto or false"),
             ("warmup_env_steps", self.warmup_env_steps >= 0, ">= 0"),
             ("critic_only_steps", self.critic_only_steps >= 0, ">= 0"),
