@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from embodied_rl.actors import load_agent, read_agent_json, resolve_checkpoint
-from embodied_rl.actors.latent_noise import NoiseActorAgent, make_noise_critic
+from embodied_rl.actors import latent_noise, load_agent, read_agent_json, resolve_checkpoint
+from embodied_rl.actors.latent_noise import NoiseActorAgent
 from embodied_rl.eval.stats import wilson_interval
 
 
@@ -38,11 +38,7 @@ def load_action_critic(checkpoint: Path, obs_dim: int, executed_dim: int, config
     learner = state["modules"]["learner"]
     if "action_critic" not in learner:
         raise SystemExit(f"{checkpoint}: not a DSRL-NA checkpoint (its training state holds no action critic)")
-    weights = learner["action_critic"]
-    ensemble = len({name.split(".")[0] for name in weights})
-    critic = make_noise_critic(obs_dim, executed_dim, config["net_arch"], ensemble, config.get("activation", "relu"))
-    critic.load_state_dict(weights)
-    return critic.eval()
+    return latent_noise.load_action_critic(learner["action_critic"], {**config, "obs_dim": obs_dim}, executed_dim)
 
 
 def run(args) -> dict:

@@ -339,6 +339,14 @@ def make_sb3_policy(obs_dim: int, noise_dim: int, noise_bound: float, net_arch: 
     )
 
 
+def load_action_critic(weights: dict[str, Tensor], config: dict[str, Any], executed_dim: int) -> nn.ModuleList:
+    """DSRL-NA's Q_A ensemble from its state_dict (as many members as it holds) and an agent config."""
+    ensemble = len({name.split(".")[0] for name in weights})
+    critic = make_noise_critic(config["obs_dim"], executed_dim, config["net_arch"], ensemble, config.get("activation", "relu"))
+    critic.load_state_dict(weights)
+    return critic.eval()
+
+
 def build_noise_agent(checkpoint: AgentCheckpoint, num_envs: int) -> NoiseActorAgent:
     """The evaluation agent of a "dsrl" checkpoint (DSRL and DSRL-NA): the noise actor sampled, or its
     mean (`eval_noise` in agent.json; checkpoints written before the key evaluated the mean); with
@@ -357,11 +365,7 @@ def build_noise_agent(checkpoint: AgentCheckpoint, num_envs: int) -> NoiseActorA
         base = checkpoint.base_policy
         weights = {name.removeprefix(ACTION_CRITIC): value for name, value in checkpoint.tensors.items()
                    if name.startswith(ACTION_CRITIC)}
-        ensemble = len({name.split(".")[0] for name in weights})
-        action_critic = make_noise_critic(config["obs_dim"], base.n_action_steps * base.action_dim, config["net_arch"],
-                                          ensemble, config.get("activation", "relu"))
-        action_critic.load_state_dict(weights)
-        action_critic = action_critic.to(device).eval()
+        action_critic = load_action_critic(weights, config, base.n_action_steps * base.action_dim).to(device)
     # checkpoints written before the noise actor read the policy's features have no obs_features
     return NoiseActorAgent(_ScaledActor(sb3_policy.actor, noise_bound), checkpoint.base_policy, num_envs, noise_bound,
                            deterministic=config.get("eval_noise", "mean") == "mean",
