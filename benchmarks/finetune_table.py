@@ -51,7 +51,9 @@ def time_iteration(policy_type: str, steps: int, algo: str, num_envs: int, chunk
     steps_per_iter = num_envs * chunks * policy.n_action_steps
     overrides = ["task=push_t", f"algo={algo}", "checkpoint=unused", f"num_envs={num_envs}", "eval_every=0",
                  f"env_steps={steps_per_iter * (repeats + 1)}", f"algo.num_steps={chunks}", "checkpoint_every=0", "log_every=1",
-                 "algo.critic_warmup_iters=0", "algo.target_kl=null"]
+                 "algo.critic_warmup_iters=0", "algo.target_kl=null",
+                 # no evaluation: judged deployment would evaluate at the start and the end (minutes, untimed)
+                 "algo.deploy=latest", "videos=0"]
     if algo == "dppo":
         overrides.append("algo.actor_kwargs.ft_denoising_steps=0")
     cfg = compose("finetune", overrides)

@@ -34,8 +34,9 @@ CUDA_NS = (1024, 2048, 4096, 8192)
 CPU_NS = (4, 8)
 # algo.base_reg_window=null: the anchor's schedule alone, what the defaults train at a low start (random weights),
 # without evaluating the start first (eval_every=0 then evaluates nothing: throughput only)
+# deploy=latest: judged deployment would evaluate at the start and the end (untimed, minutes on the CPU)
 PPO = ["algo=residual_ppo", "algo.num_steps=16", "algo.critic_warmup_iters=0", "algo.target_kl=null",
-       "algo.base_reg_window=null"]
+       "algo.base_reg_window=null", "algo.deploy=latest"]
 EPOCHS, MINIBATCHES = 10, 4  # configs/algo/residual_ppo.yaml and _ppo.yaml
 
 
