@@ -126,6 +126,7 @@ def test_training_follows_the_ramp_and_the_floor_is_deployed_until_evaluations_s
     ("algo.reward=dense", "algo.reward"),
     ("algo.eval_noise=median", "algo.eval_noise must be sample or mean"),
     ("algo.eval_candidates=4", "algo.eval_candidates must be 1, or > 1 with algo=dsrl_na"),
+    ("algo.rollout_candidates=4", "algo.rollout_candidates must be 1, or > 1 with algo=dsrl_na"),
     ("algo.activation=gelu", "algo.activation must be relu or tanh"),
     ("algo.bootstrap_truncation=sometimes", "'algo.bootstrap_truncation': expected auto, true or false"),
     ("algo.clip_target_q=maybe", "'algo.clip_target_q': expected auto, true or false"),
@@ -178,11 +179,13 @@ def test_a_bad_floor_reach_exits_2(tmp_path, capsys, bc_checkpoint, algo, overri
 @pytest.mark.e2e
 def test_dsrl_na_with_eval_candidates_deploys_best_of_n_under_its_action_critics(tmp_path, bc_checkpoint):
     """algo.eval_candidates=N: the checkpoint holds the action critics beside the noise actor, and the agent
-    `eval` rebuilds from it draws N noises per decision and executes the best under them."""
+    `eval` rebuilds from it draws N noises per decision and executes the best under them (the training
+    rollouts too, with algo.rollout_candidates)."""
     from embodied_rl.actors import load_agent, load_agent_tensors
 
     run_dir = tmp_path / "ft"
-    assert main(finetune_args("dsrl_na", bc_checkpoint, run_dir, env_steps=120) + ["algo.eval_candidates=4"]) == 0
+    assert main(finetune_args("dsrl_na", bc_checkpoint, run_dir, env_steps=120)
+                + ["algo.eval_candidates=4", "algo.rollout_candidates=3"]) == 0
     last = run_dir / "checkpoints" / "last"
     assert json.loads((last / "agent.json").read_text())["config"]["eval_candidates"] == 4
     assert any(name.startswith("action_critic.") for name in load_agent_tensors(last))

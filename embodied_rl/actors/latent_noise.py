@@ -312,9 +312,16 @@ class NoiseActorAgent(ChunkExecutor):
         if k == 1:
             return executed
         features = head_input(self.policy, latest, self.obs_features)
-        inputs = torch.cat([features, executed.reshape(n * k, -1).to(features)], dim=1)
-        q = torch.cat([critic(inputs) for critic in self.action_critic], dim=1).min(1)[0].reshape(n, k)
-        return executed[q.argmax(1) + torch.arange(n, device=q.device) * k]
+        return executed[best_candidates(self.action_critic, features, executed.reshape(n * k, -1), k)]
+
+
+def best_candidates(action_critic: nn.ModuleList, features: Tensor, executed: Tensor, k: int) -> Tensor:
+    """Value-guided best-of-N: rows [n * k] hold k candidate chunks (flattened) per decision, each
+    beside its features; the index of each decision's candidate whose minimum over the Q_A
+    ensemble is highest [n]."""
+    inputs = torch.cat([features, executed.to(features)], dim=1)
+    q = torch.cat([critic(inputs) for critic in action_critic], dim=1).min(1)[0].reshape(-1, k)
+    return q.argmax(1) + torch.arange(len(q), device=q.device) * k
 
 
 class _ScaledActor(nn.Module):

@@ -43,6 +43,7 @@ from embodied_rl.actors.latent_noise import (
     LayerNormSACPolicy,
     NoiseActorAgent,
     _ScaledActor,
+    best_candidates,
     make_noise_critic,
 )
 from embodied_rl.algos.common import (
@@ -111,6 +112,8 @@ class DSRL(SAC):
     """stable_baselines3.SAC on a LatentNoiseVecEnv.
 
     - warm-up: actions are the base policy's own noise, w ~ N(0, I) clipped to [-m, m]; no updates;
+      after it, samples of the noise actor, or with `rollout_candidates` N > 1 (DSRL-NA) the best of N
+      samples under Q_A (the training rollouts act as the best-of-N evaluation agent does);
     - critic-only: SAC's critic update alone (the actor and the entropy coefficient stay put);
     - full: SB3's own `SAC.train` (DSRL) or the DSRL-NA update (noise_aliasing=True).
     """
@@ -126,9 +129,11 @@ class DSRL(SAC):
         value_expectile: float | None = None,
         activation: str = "relu",
         value_bounds: tuple[float, float] | None = None,
+        rollout_candidates: int = 1,
         **sac_kwargs: Any,
     ):
         self.noise_env = env
+        self.rollout_candidates = rollout_candidates
         self.warm_start = warm_start
         self.noise_aliasing = noise_aliasing
         self.actor_q = actor_q
@@ -162,7 +167,22 @@ class DSRL(SAC):
             bound = self.noise_env.noise_bound
             noise = np.clip(np.random.randn(n_envs, *self.action_space.shape), -bound, bound).astype(np.float32)
             return noise, self.policy.scale_action(noise)
+        if self.rollout_candidates > 1:
+            return self._best_of_n_action(n_envs)
         return super()._sample_action(learning_starts, action_noise, n_envs)
+
+    @torch.no_grad()
+    def _best_of_n_action(self, n_envs: int) -> tuple[np.ndarray, np.ndarray]:
+        """N noises per env from the actor, each turned into its chunk by the base policy on the env's
+        history; the env executes the one the action critics value most (SB3's pair: the noise in
+        the env's box, and scaled to [-1, 1] for the replay)."""
+        k = self.rollout_candidates
+        obs = torch.as_tensor(self._last_obs, dtype=torch.float32, device=self.device).repeat_interleave(k, dim=0)
+        scaled = self.actor(obs, deterministic=False)  # [n * k, H * A] in [-1, 1]
+        env = self.noise_env
+        cond = env.policy.encode_obs(env.history.get()).repeat_interleave(k, dim=0)
+        chosen = scaled[best_candidates(self.action_critic, obs, self._base_chunk(cond, scaled), k)].cpu().numpy()
+        return self.policy.unscale_action(chosen), chosen
 
     # ---- learning ----
     def train(self, gradient_steps: int, batch_size: int = 64) -> None:
@@ -335,6 +355,7 @@ class DSRLConfig(AlgoConfig):
     clip_target_q: Any        # auto: bootstrapped Q clamped to [0, 1] under the success reward; false: never
     eval_noise: str            # sample | mean: what the evaluation agent takes from the noise actor
     eval_candidates: int       # noises per decision of the evaluation agent; > 1 (DSRL-NA): the best under Q_A
+    rollout_candidates: int    # the same for the training rollouts after the warm-up
     warmup_env_steps: int
     critic_only_steps: int
     action_critics: int | None  # DSRL-NA only
@@ -371,6 +392,9 @@ class DSRLConfig(AlgoConfig):
             ("eval_candidates", self.eval_candidates == 1 or (self.eval_candidates > 1 and self.action_critics is not None
                                                               and self.eval_noise == "sample"),
              "1, or > 1 with algo=dsrl_na and eval_noise=sample (its action critics rank sampled candidates)"),
+            ("rollout_candidates", self.rollout_candidates == 1 or (self.rollout_candidates > 1
+                                                                    and self.action_critics is not None),
+             "1, or > 1 with algo=dsrl_na (its action critics rank the candidates)"),
             ("clip_target_q", self.clip_target_q in ("auto", False), "auto or false"),
             ("warmup_env_steps", self.warmup_env_steps >= 0, ">= 0"),
             ("critic_only_steps", self.critic_only_steps >= 0, ">= 0"),
@@ -411,6 +435,7 @@ def make_dsrl(algo: DSRLConfig, vec_env: LatentNoiseVecEnv, seed: int, device: s
         value_expectile=None if algo.value_expectile is None else float(algo.value_expectile),
         activation=algo.activation,
         value_bounds=(0.0, 1.0) if algo.clip_target_q == "auto" and vec_env.sparse_reward else None,
+        rollout_candidates=algo.rollout_candidates,
         learning_rate=algo.lr,
         buffer_size=algo.buffer_size,
         learning_starts=0,

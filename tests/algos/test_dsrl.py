@@ -171,6 +171,30 @@ def test_dsrl_na_actor_on_action_critic_through_the_base_sampler():
     assert noise.grad.abs().sum() > 0
 
 
+def test_dsrl_na_rollout_candidates_execute_the_noise_its_action_critics_value_most():
+    """rollout_candidates=N: after the warm-up each env executes, of N noises the actor samples, the
+    one whose chunk (the base policy on the env's history) the Q_A ensemble's minimum values most."""
+    policy = tiny_policy()
+    vec_env = make_vec_env(policy, num_envs=3)
+    model = make_dsrl(algo_cfg("dsrl_na", rollout_candidates=5), vec_env, seed=0)
+    model._last_obs = vec_env.reset()
+    candidates = torch.rand(3 * 5, model.action_space.shape[0]) * 2 - 1  # 5 per env, env after env
+    model.actor.forward = lambda obs, deterministic=False: candidates
+    env_noise, buffer_noise = model._sample_action(0, None, 3)
+    obs = torch.as_tensor(model._last_obs).repeat_interleave(5, dim=0)
+    cond = policy.encode_obs(vec_env.history.get()).repeat_interleave(5, dim=0)
+    with torch.no_grad():
+        q = model._min_action_q(model.action_critic, obs, model._base_chunk(cond, candidates)).reshape(3, 5)
+    assert len(set(q.argmax(1).tolist())) > 1 or q.std() > 0  # the critics tell the candidates apart
+    best = candidates.reshape(3, 5, -1)[torch.arange(3), q.argmax(1)].numpy()
+    assert np.allclose(buffer_noise, best) and np.allclose(env_noise, best * 1.5)  # the env's box is [-1.5, 1.5]
+    # the warm-up still acts with the base policy's own noise
+    model = make_dsrl(algo_cfg("dsrl_na", rollout_candidates=5, warmup_env_steps=100), vec_env, seed=0)
+    model.actor.forward = lambda obs, deterministic=False: candidates
+    env_noise, _ = model._sample_action(0, None, 3)
+    assert not any(np.allclose(row, c * 1.5) for row in env_noise for c in candidates.numpy())
+
+
 def test_dsrl_na_value_expectile_is_the_expectile_of_the_replayed_chunks():
     """value_expectile: V(s) converges to the expectile of the replayed chunks' Q_A, and Q_A's target
     reads V(s'), clamped to [0, 1] under the success reward; V is in the learner's state."""
