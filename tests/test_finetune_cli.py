@@ -95,6 +95,32 @@ def test_a_stopped_run_resumes_and_its_step_counter_continues(checkpoints, tmp_p
     assert iterations == [1, 2, 3, 4]
 
 
+@pytest.mark.e2e
+def test_sampler_steps_sets_the_base_policy_s_denoising_steps_in_training_and_in_the_checkpoint(checkpoints, tmp_path):
+    from embodied_rl.actors import BASE_POLICY, load_agent
+
+    run_dir = tmp_path / "run"
+    assert main(["finetune", "algo=reinflow", f"checkpoint={checkpoints / 'flow'}", "env_steps=32", "eval_every=0",
+                 f"run_dir={run_dir}", "algo.num_steps=4", "sampler_steps=5", *TINY]) == 0  # trained at 2
+    last = run_dir / "checkpoints" / "last"
+    assert json.loads((last / BASE_POLICY / "config.json").read_text())["policy"]["num_inference_steps"] == 5
+    agent = load_agent(last, num_envs=1)
+    assert agent.actor.num_steps == 5 and agent.actor.ft.num_inference_steps == 5
+    chain = agent.actor.act(torch.zeros(1, 2, 8)).stash["chain"]
+    assert chain.shape[1] == 6  # the noise and one state per denoising step
+    # a value the policy cannot take: one line, exit 2, no run_dir
+    shortcut = tmp_path / "shortcut"
+    from embodied_rl.policies import make_policy, save_policy
+
+    save_policy(make_policy("shortcut", obs_dim=8, action_dim=2, n_obs_steps=2, horizon=4, n_action_steps=2,
+                            task="reach", backbone_kwargs=dict(hidden_dim=16, num_blocks=1, time_dim=8)), shortcut)
+    for checkpoint, steps in ((checkpoints / "flow", 0), (checkpoints / "flow", "many"), (shortcut, 3)):
+        bad = tmp_path / f"bad_{steps}"
+        assert main(["finetune", "algo=reinflow", f"checkpoint={checkpoint}", f"sampler_steps={steps}",
+                     f"run_dir={bad}", *TINY]) == 2
+        assert not bad.exists()
+
+
 def test_bad_input_is_one_line(checkpoints, tmp_path, capsys):
     assert main(["finetune", "task=reach"]) == 2
     assert "checkpoint" in capsys.readouterr().err

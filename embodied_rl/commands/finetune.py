@@ -56,6 +56,9 @@ def validate(cfg: DictConfig) -> Path:
             raise UserError(f"{key} must be >= 1, got {cfg[key]}")
     if int(cfg.eval_every) < 0:
         raise UserError(f"eval_every must be >= 0, got {cfg.eval_every}")
+    steps = cfg.get("sampler_steps")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise UserError(f"sampler_steps must be null or an integer >= 1, got {steps!r}")
     for key in ("checkpoint_every", "log_every"):
         if int(cfg[key]) < 0:
             raise UserError(f"{key} must be >= 0, got {cfg[key]}")
@@ -73,14 +76,21 @@ def validate(cfg: DictConfig) -> Path:
     return resolve_checkpoint(Path(str(cfg.checkpoint)).expanduser())
 
 
-def load_base_policy(path: Path, device: str):
-    """The BC policy to fine-tune; a fine-tuned checkpoint continues from its base policy."""
+def load_base_policy(path: Path, device: str, sampler_steps: int | None = None):
+    """The BC policy to fine-tune; a fine-tuned checkpoint continues from its base policy. With
+    `sampler_steps` its sampler runs that many denoising steps (its checkpoints record them)."""
     from embodied_rl.actors import BASE_POLICY
     from embodied_rl.policies import load_policy
 
     if (path / BASE_POLICY).is_dir():
         path = path / BASE_POLICY
-    return load_policy(path, device=device)
+    policy = load_policy(path, device=device)
+    if sampler_steps is not None:
+        try:
+            policy.set_num_inference_steps(sampler_steps)
+        except ValueError as error:  # a shortcut policy takes powers of two up to its finest step
+            raise UserError(f"sampler_steps={sampler_steps}: {error}") from None
+    return policy
 
 
 # Keys a resumed run may change: how long it runs and what it records, not what it trains.
@@ -99,7 +109,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         return rl.main(cfg)
     refuse_lm_checkpoint(cfg)
     checkpoint = validate(cfg)
-    policy = load_base_policy(checkpoint, str(cfg.device))
+    policy = load_base_policy(checkpoint, str(cfg.device), cfg.get("sampler_steps"))
     from embodied_rl.algos.common import refuse_non_finite_checkpoint
 
     refuse_non_finite_checkpoint(checkpoint, policy)
