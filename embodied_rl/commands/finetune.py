@@ -106,6 +106,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
 
         if str(cfg.reward) != "sim":
             raise UserError("reward=model:PATH is for robot tasks; a language task is scored by its verifier")
+        if cfg.get("sampler_steps") is not None:
+            raise UserError("sampler_steps is for denoising robot policies; a language model has no denoising steps")
         return rl.main(cfg)
     refuse_lm_checkpoint(cfg)
     checkpoint = validate(cfg)

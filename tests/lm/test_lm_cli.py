@@ -66,6 +66,7 @@ def test_eval_records_every_problem(pretrained, tmp_path, capsys):
     (["eval", "task=lm/addition", "checkpoint=/nope"], "checkpoint '/nope' does not exist"),
     (["eval", "task=lm/addition", "checkpoint=/nope", "videos=2"], "videos= does not apply"),
     (["eval", "task=lm/addition", "checkpoint=/nope", "lm.samples=3"], "needs lm.temperature > 0"),
+    (["finetune", "task=lm/addition", "checkpoint=/nope", "sampler_steps=4"], "sampler_steps is for denoising robot"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
     assert main([*args, f"run_dir={tmp_path / 'run'}"]) == 2
