@@ -128,6 +128,7 @@ def test_training_follows_the_ramp_and_the_floor_is_deployed_until_evaluations_s
     ("algo.eval_candidates=4", "algo.eval_candidates must be 1, or > 1 with algo=dsrl_na"),
     ("algo.rollout_candidates=4", "algo.rollout_candidates must be 1, or > 1 with algo=dsrl_na"),
     ("algo.activation=gelu", "algo.activation must be relu or tanh"),
+    ("algo.policy_delay=2", "algo.policy_delay must be 1, or > 1 with algo=dsrl_na"),
     ("algo.bootstrap_truncation=sometimes", "'algo.bootstrap_truncation': expected auto, true or false"),
     ("algo.clip_target_q=maybe", "'algo.clip_target_q': expected auto, true or false"),
     ("algo.clip_target_q=true", "algo.clip_target_q must be auto or false, got True"),

@@ -130,9 +130,11 @@ class DSRL(SAC):
         activation: str = "relu",
         value_bounds: tuple[float, float] | None = None,
         rollout_candidates: int = 1,
+        policy_delay: int = 1,
         **sac_kwargs: Any,
     ):
         self.noise_env = env
+        self.policy_delay = policy_delay
         self.rollout_candidates = rollout_candidates
         self.warm_start = warm_start
         self.noise_aliasing = noise_aliasing
@@ -242,7 +244,7 @@ class DSRL(SAC):
     def _train_noise_aliasing(self, gradient_steps: int, batch_size: int, update_actor: bool) -> None:
         self.policy.set_training_mode(True)
         stats: dict[str, list[float]] = {}
-        for _ in range(gradient_steps):
+        for step in range(self._n_updates, self._n_updates + gradient_steps):
             data, extra = self.replay_buffer.sample_with_extras(batch_size)
             ent_coef = self._entropy_coef()
 
@@ -276,8 +278,9 @@ class DSRL(SAC):
                 stats.setdefault("train/noise_critic_loss", []).append(self._distil_noise_critic(data, extra))
 
             # 3. the noise actor and the entropy coefficient (as in SAC), on Q_W or on Q_A of the chunk the
-            # frozen base makes of the actor's noise (the gradient flows through the base sampler into the noise)
-            if update_actor:
+            # frozen base makes of the actor's noise (the gradient flows through the base sampler into the noise);
+            # once per policy_delay critic steps, as TD3: through the sampler it costs tens of critic steps
+            if update_actor and step % self.policy_delay == 0:
                 actions_pi, log_prob = self.actor.action_log_prob(data.observations)
                 log_prob = log_prob.reshape(-1, 1)
                 if self.ent_coef_optimizer is not None:
@@ -348,6 +351,7 @@ class DSRLConfig(AlgoConfig):
     gamma: float
     tau: float
     utd_ratio: float
+    policy_delay: int          # critic steps per actor step (DSRL-NA; plain DSRL runs SB3's SAC, one each)
     ent_coef: Any              # "auto", "auto_<initial value>" or a fixed number
     target_entropy: Any        # "auto" or a number
     reward: str
@@ -385,6 +389,8 @@ class DSRLConfig(AlgoConfig):
             ("gamma", 0.0 <= self.gamma <= 1.0, "in [0, 1]"),
             ("tau", 0.0 < self.tau <= 1.0, "in (0, 1]"),
             ("utd_ratio", self.utd_ratio > 0, "> 0"),
+            ("policy_delay", self.policy_delay == 1 or (self.policy_delay > 1 and self.action_critics is not None),
+             "1, or > 1 with algo=dsrl_na (SB3's SAC, plain DSRL's learner, steps its actor with every critic step)"),
             ("ent_coef", ent_coef == "auto" or _is_number(ent_coef.removeprefix("auto_")),
              "auto, auto_<number> or a number"),
             ("target_entropy", self.target_entropy == "auto" or _is_number(self.target_entropy), "auto or a number"),
@@ -436,6 +442,7 @@ def make_dsrl(algo: DSRLConfig, vec_env: LatentNoiseVecEnv, seed: int, device: s
         activation=algo.activation,
         value_bounds=(0.0, 1.0) if algo.clip_target_q == "auto" and vec_env.sparse_reward else None,
         rollout_candidates=algo.rollout_candidates,
+        policy_delay=algo.policy_delay,
         learning_rate=algo.lr,
         buffer_size=algo.buffer_size,
         learning_starts=0,

@@ -171,6 +171,29 @@ def test_dsrl_na_actor_on_action_critic_through_the_base_sampler():
     assert noise.grad.abs().sum() > 0
 
 
+def test_dsrl_na_policy_delay_steps_the_actor_once_per_that_many_critic_steps():
+    """policy_delay=k: the action critics take every gradient step, the noise actor (and the entropy
+    coefficient) one in k, counted across train() calls."""
+    model = make_dsrl(algo_cfg("dsrl_na", utd_ratio=1, policy_delay=3), make_vec_env(tiny_policy()), seed=0)
+    model.learn(total_timesteps=4 * 2)  # fills the replay
+    actor_steps = 0
+    step_actor = model.actor.optimizer.step
+
+    def counting_step(*args, **kwargs):
+        nonlocal actor_steps
+        actor_steps += 1
+        return step_actor(*args, **kwargs)
+
+    model.actor.optimizer.step = counting_step
+    critic_before = [p.clone() for p in model.action_critic.parameters()]
+    start = model._n_updates
+    for _ in range(3):
+        model.train(gradient_steps=4, batch_size=8)
+    assert model._n_updates == start + 12
+    assert actor_steps == len([s for s in range(start, start + 12) if s % 3 == 0])
+    assert not all(torch.equal(a, b) for a, b in zip(critic_before, model.action_critic.parameters()))
+
+
 def test_dsrl_na_rollout_candidates_execute_the_noise_its_action_critics_value_most():
     """rollout_candidates=N: after the warm-up each env executes, of N noises the actor samples, the
     one whose chunk (the base policy on the env's history) the Q_A ensemble's minimum values most."""
