@@ -129,6 +129,7 @@ def test_training_follows_the_ramp_and_the_floor_is_deployed_until_evaluations_s
     ("algo.rollout_candidates=4", "algo.rollout_candidates must be 1, or > 1 with algo=dsrl_na"),
     ("algo.activation=gelu", "algo.activation must be relu or tanh"),
     ("algo.policy_delay=2", "algo.policy_delay must be 1, or > 1 with algo=dsrl_na"),
+    ("algo.actor_lr=0", "algo.actor_lr must be null or > 0"),
     ("algo.bootstrap_truncation=sometimes", "'algo.bootstrap_truncation': expected auto, true or false"),
     ("algo.clip_target_q=maybe", "'algo.clip_target_q': expected auto, true or false"),
     ("algo.clip_target_q=true", "algo.clip_target_q must be auto or false, got True"),
@@ -151,6 +152,10 @@ def test_bad_dsrl_na_actor_q_exits_2(tmp_path, capsys, bc_checkpoint):
     assert main(args) == 2  # the actor's mean is one noise: N candidates of it are one candidate
     assert "algo.eval_candidates must be 1, or > 1 with algo=dsrl_na and eval_noise=sample" in capsys.readouterr().err
     assert not (tmp_path / "ft3").exists()
+    args = finetune_args("dsrl_na", bc_checkpoint, tmp_path / "ft4") + ["algo.critic_reduction=median"]
+    assert main(args) == 2
+    assert "algo.critic_reduction must be min or mean" in capsys.readouterr().err
+    assert not (tmp_path / "ft4").exists()
 
 
 def test_bad_residual_config_exits_2(tmp_path, capsys, bc_checkpoint):

@@ -250,11 +250,36 @@ class LayerNormSACPolicy(SACPolicy):
         return critic
 
 
+CRITIC_REDUCTIONS = ("min", "mean")
+
+
+class ActionCritics(nn.ModuleList):
+    """An ensemble of LayerNorm Q networks Q(s, x) (DSRL-NA's action-space critic) and how its members
+    combine into one value: `min` (the pessimistic value of SAC and TD3) or `mean` (DSRL's LIBERO and
+    ALOHA runs, ten critics averaged: with a sparse 0/1 reward the minimum of few critics underrates
+    every chunk the replay has rarely seen succeed)."""
+
+    def __init__(self, networks: list[nn.Module], reduction: str = "min"):
+        super().__init__(networks)
+        if reduction not in CRITIC_REDUCTIONS:
+            raise ValueError(f"critic reduction must be one of {CRITIC_REDUCTIONS}, not {reduction!r}")
+        self.reduction = reduction
+
+    def members(self, features: Tensor, executed: Tensor) -> Tensor:
+        """Each member's Q [B, n_critics]."""
+        inputs = torch.cat([features, executed.to(features)], dim=1)
+        return torch.cat([q(inputs) for q in self], dim=1)
+
+    def value(self, features: Tensor, executed: Tensor) -> Tensor:
+        """The ensemble's value [B, 1], what every target, the actor and best-of-N read."""
+        q = self.members(features, executed)
+        return q.min(1, keepdim=True)[0] if self.reduction == "min" else q.mean(1, keepdim=True)
+
+
 def make_noise_critic(obs_dim: int, action_dim: int, net_arch: list[int], n_critics: int,
-                      activation: str = "relu") -> nn.ModuleList:
-    """An ensemble of LayerNorm Q networks Q(s, x) (DSRL-NA's action-space critic)."""
-    return nn.ModuleList(layer_norm_mlp(obs_dim + action_dim, 1, list(net_arch), ACTIVATIONS[activation])
-                         for _ in range(n_critics))
+                      activation: str = "relu", reduction: str = "min") -> ActionCritics:
+    return ActionCritics([layer_norm_mlp(obs_dim + action_dim, 1, list(net_arch), ACTIVATIONS[activation])
+                          for _ in range(n_critics)], reduction)
 
 
 # --------------------------------------------------------------------------------------------
@@ -271,12 +296,12 @@ class NoiseActorAgent(ChunkExecutor):
 
     With `candidates` N > 1 and DSRL-NA's `action_critic` (the Q_A ensemble on executed chunks) it
     draws N noises per decision (from the actor, or with `source="prior"` from the base policy's own
-    N(0, I) clipped to the box) and executes the chunk whose minimum over the ensemble is highest:
+    N(0, I) clipped to the box) and executes the chunk the ensemble values most:
     value-guided best-of-N, the policy extraction of Q-chunking (QC) and V-GPS.
     """
 
     def __init__(self, actor: nn.Module, policy: Any, num_envs: int, noise_bound: float, deterministic: bool = True,
-                 obs_features: bool = True, action_critic: nn.ModuleList | None = None, candidates: int = 1,
+                 obs_features: bool = True, action_critic: ActionCritics | None = None, candidates: int = 1,
                  source: str = "actor"):
         super().__init__(num_envs, policy.n_obs_steps, policy.n_action_steps, policy.action_dim)
         if candidates > 1 and action_critic is None:
@@ -315,12 +340,10 @@ class NoiseActorAgent(ChunkExecutor):
         return executed[best_candidates(self.action_critic, features, executed.reshape(n * k, -1), k)]
 
 
-def best_candidates(action_critic: nn.ModuleList, features: Tensor, executed: Tensor, k: int) -> Tensor:
+def best_candidates(action_critic: ActionCritics, features: Tensor, executed: Tensor, k: int) -> Tensor:
     """Value-guided best-of-N: rows [n * k] hold k candidate chunks (flattened) per decision, each
-    beside its features; the index of each decision's candidate whose minimum over the Q_A
-    ensemble is highest [n]."""
-    inputs = torch.cat([features, executed.to(features)], dim=1)
-    q = torch.cat([critic(inputs) for critic in action_critic], dim=1).min(1)[0].reshape(-1, k)
+    beside its features; the index of each decision's candidate the Q_A ensemble values most [n]."""
+    q = action_critic.value(features, executed).reshape(-1, k)
     return q.argmax(1) + torch.arange(len(q), device=q.device) * k
 
 
@@ -346,10 +369,12 @@ def make_sb3_policy(obs_dim: int, noise_dim: int, noise_bound: float, net_arch: 
     )
 
 
-def load_action_critic(weights: dict[str, Tensor], config: dict[str, Any], executed_dim: int) -> nn.ModuleList:
-    """DSRL-NA's Q_A ensemble from its state_dict (as many members as it holds) and an agent config."""
+def load_action_critic(weights: dict[str, Tensor], config: dict[str, Any], executed_dim: int) -> ActionCritics:
+    """DSRL-NA's Q_A ensemble from its state_dict (as many members as it holds) and an agent config
+    (checkpoints written before `critic_reduction` took the minimum)."""
     ensemble = len({name.split(".")[0] for name in weights})
-    critic = make_noise_critic(config["obs_dim"], executed_dim, config["net_arch"], ensemble, config.get("activation", "relu"))
+    critic = make_noise_critic(config["obs_dim"], executed_dim, config["net_arch"], ensemble,
+                               config.get("activation", "relu"), config.get("critic_reduction", "min"))
     critic.load_state_dict(weights)
     return critic.eval()
 

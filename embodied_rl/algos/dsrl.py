@@ -30,7 +30,7 @@ from stable_baselines3 import SAC
 from stable_baselines3.common.buffers import ReplayBuffer
 from stable_baselines3.common.logger import Logger
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
-from stable_baselines3.common.utils import polyak_update
+from stable_baselines3.common.utils import polyak_update, update_learning_rate
 from torch import Tensor
 
 from embodied_rl.actors import save_agent
@@ -39,6 +39,7 @@ from embodied_rl.actors.latent_noise import (
     ACTION_CRITIC,
     ACTIVATIONS,
     AGENT_KIND,
+    CRITIC_REDUCTIONS,
     LatentNoiseVecEnv,
     LayerNormSACPolicy,
     NoiseActorAgent,
@@ -125,15 +126,18 @@ class DSRL(SAC):
         noise_aliasing: bool = False,
         action_critic_arch: list[int] | None = None,
         action_critics: int = 2,
+        critic_reduction: str = "min",
         actor_q: str = "noise_critic",
         value_expectile: float | None = None,
         activation: str = "relu",
         value_bounds: tuple[float, float] | None = None,
         rollout_candidates: int = 1,
         policy_delay: int = 1,
+        actor_lr: float | None = None,
         **sac_kwargs: Any,
     ):
         self.noise_env = env
+        self.actor_lr = actor_lr
         self.policy_delay = policy_delay
         self.rollout_candidates = rollout_candidates
         self.warm_start = warm_start
@@ -151,12 +155,15 @@ class DSRL(SAC):
         if noise_aliasing:
             obs_dim = env.observation_space.shape[0]
             arch = list(action_critic_arch or self.policy.net_arch)
-            self.action_critic = make_noise_critic(obs_dim, executed_dim, arch, action_critics, activation).to(self.device)
+            self.action_critic = make_noise_critic(obs_dim, executed_dim, arch, action_critics, activation,
+                                                   critic_reduction).to(self.device)
             self.action_critic_target = copy.deepcopy(self.action_critic).requires_grad_(False)
             self.action_critic_optimizer = torch.optim.Adam(self.action_critic.parameters(), lr=self.learning_rate)
             if value_expectile is not None:  # V(s), the expectile of Q_A over the replayed chunks (IQL)
                 self.value_net = layer_norm_mlp(obs_dim, 1, arch, ACTIVATIONS[activation]).to(self.device)
                 self.value_optimizer = torch.optim.Adam(self.value_net.parameters(), lr=self.learning_rate)
+        if actor_lr is not None:
+            update_learning_rate(self.actor.optimizer, actor_lr)
         if value_bounds is not None:  # every bootstrapped Q (the target networks' outputs) stays in the bounds
             low, high = value_bounds
             self.critic_target.register_forward_hook(lambda _m, _i, qs: tuple(q.clamp(low, high) for q in qs))
@@ -233,13 +240,11 @@ class DSRL(SAC):
         chunk = policy.unnormalize_action(policy.sample(cond, noise))
         return executed_actions(policy, chunk).reshape(len(cond), -1).to(self.device)
 
-    def _action_q(self, critic: torch.nn.ModuleList, obs: Tensor, executed: Tensor) -> Tensor:
-        inputs = torch.cat([obs, executed], dim=1)
-        return torch.cat([q(inputs) for q in critic], dim=1)
-
-    def _min_action_q(self, critic: torch.nn.ModuleList, obs: Tensor, executed: Tensor) -> Tensor:
-        """The ensemble's minimum [B, 1] (the pessimistic value every target and the actor read)."""
-        return self._action_q(critic, obs, executed).min(1, keepdim=True)[0]
+    def _update_learning_rate(self, optimizers: Any) -> None:
+        """SB3's SAC.train sets every optimizer to its one learning rate; the actor keeps `actor_lr`."""
+        super()._update_learning_rate(optimizers)
+        if self.actor_lr is not None:
+            update_learning_rate(self.actor.optimizer, self.actor_lr)
 
     def _train_noise_aliasing(self, gradient_steps: int, batch_size: int, update_actor: bool) -> None:
         self.policy.set_training_mode(True)
@@ -254,14 +259,14 @@ class DSRL(SAC):
                 if self.value_expectile is None:
                     next_noise, next_log_prob = self.actor.action_log_prob(data.next_observations)
                     next_executed = self._base_chunk(extra["next_cond"], next_noise)
-                    next_q = self._min_action_q(self.action_critic_target, data.next_observations, next_executed)
+                    next_q = self.action_critic_target.value(data.next_observations, next_executed)
                     next_q = next_q - ent_coef * next_log_prob.reshape(-1, 1)
                 else:
                     next_q = self.value_net(data.next_observations)
                     if self.value_bounds is not None:
                         next_q = next_q.clamp(*self.value_bounds)
                 target = data.rewards + (1 - data.dones) * self.gamma * next_q
-            q_action = self._action_q(self.action_critic, data.observations, extra["executed"])
+            q_action = self.action_critic.members(data.observations, extra["executed"])
             action_critic_loss = 0.5 * ((q_action - target) ** 2).mean(0).sum()
             self.action_critic_optimizer.zero_grad()
             action_critic_loss.backward()
@@ -290,7 +295,7 @@ class DSRL(SAC):
                     self.ent_coef_optimizer.step()
                 if self.actor_q == "action_critic":
                     executed_pi = self._base_chunk(extra["cond"], actions_pi)
-                    q_pi = self._min_action_q(self.action_critic, data.observations, executed_pi)
+                    q_pi = self.action_critic.value(data.observations, executed_pi)
                 else:
                     q_pi = torch.cat(self.critic(data.observations, actions_pi), dim=1).min(1, keepdim=True)[0]
                 actor_loss = (ent_coef * log_prob - q_pi).mean()
@@ -303,10 +308,10 @@ class DSRL(SAC):
         self.stats = {k: float(np.mean(v)) for k, v in stats.items()}
 
     def _train_value(self, data: Any, extra: dict[str, Tensor]) -> float:
-        """IQL's expectile regression: V(s) -> the value_expectile-expectile of min Q_A_target(s, a) over
+        """IQL's expectile regression: V(s) -> the value_expectile-expectile of Q_A_target(s, a) (the ensemble's value) over
         the replayed chunks a (0.5: their mean; towards 1: the best of them)."""
         with torch.no_grad():
-            q = self._min_action_q(self.action_critic_target, data.observations, extra["executed"])
+            q = self.action_critic_target.value(data.observations, extra["executed"])
         diff = q - self.value_net(data.observations)
         weight = torch.abs(self.value_expectile - (diff < 0).float())
         loss = (weight * diff ** 2).mean()
@@ -323,7 +328,7 @@ class DSRL(SAC):
             obs2 = torch.cat([data.observations, data.observations])
             noise2 = torch.cat([prior, data.actions])
             executed2 = torch.cat([prior_executed, extra["executed"]])
-            distil_target = self._min_action_q(self.action_critic, obs2, executed2)
+            distil_target = self.action_critic.value(obs2, executed2)
         noise_critic_loss = 0.5 * sum(F.mse_loss(q, distil_target) for q in self.critic(obs2, noise2))
         self.critic.optimizer.zero_grad()
         noise_critic_loss.backward()
@@ -338,7 +343,7 @@ class DSRL(SAC):
 
 @dataclass(frozen=True)
 class DSRLConfig(AlgoConfig):
-    """configs/algo/dsrl.yaml (dsrl_na.yaml extends it and adds `action_critics`)."""
+    """configs/algo/dsrl.yaml (dsrl_na.yaml extends it and adds the DSRL-NA keys)."""
 
     name: str
     noise_bound: float
@@ -346,6 +351,7 @@ class DSRLConfig(AlgoConfig):
     activation: str            # relu | tanh, of every hidden layer
     n_critics: int
     lr: float
+    actor_lr: float | None     # the noise actor's learning rate; null: lr
     buffer_size: int
     batch_size: int
     gamma: float
@@ -363,6 +369,7 @@ class DSRLConfig(AlgoConfig):
     warmup_env_steps: int
     critic_only_steps: int
     action_critics: int | None  # DSRL-NA only
+    critic_reduction: str | None  # DSRL-NA only: min | mean, how the Q_A ensemble makes one value
     actor_q: str | None         # DSRL-NA only: noise_critic (Q_W) | action_critic (Q_A through the base sampler)
     value_expectile: float | None  # DSRL-NA only: null (TD on the actor's next chunk) or IQL's expectile in (0, 1)
     deploy: str                # judged | latest: what evaluations and checkpoints act with (algos/wsrl.py JudgedWeights)
@@ -371,6 +378,7 @@ class DSRLConfig(AlgoConfig):
     def from_cfg(cls, algo: Any) -> DSRLConfig:
         values = OmegaConf.to_container(algo, resolve=True)
         values.setdefault("action_critics", None)  # the keys exist in dsrl_na.yaml only
+        values.setdefault("critic_reduction", None)
         values.setdefault("actor_q", None)
         values.setdefault("value_expectile", None)
         return cls(**values).checked()
@@ -383,6 +391,7 @@ class DSRLConfig(AlgoConfig):
             ("activation", self.activation in ACTIVATIONS, " or ".join(ACTIVATIONS)),
             ("n_critics", self.n_critics >= 1, ">= 1"),
             ("lr", self.lr > 0, "> 0"),
+            ("actor_lr", self.actor_lr is None or (_is_number(self.actor_lr) and float(self.actor_lr) > 0), "null or > 0"),
             deploy_check(self.deploy),
             ("buffer_size", self.buffer_size >= 1, ">= 1"),
             ("batch_size", self.batch_size >= 1, ">= 1"),
@@ -405,6 +414,7 @@ class DSRLConfig(AlgoConfig):
             ("warmup_env_steps", self.warmup_env_steps >= 0, ">= 0"),
             ("critic_only_steps", self.critic_only_steps >= 0, ">= 0"),
             ("action_critics", self.action_critics is None or self.action_critics >= 1, ">= 1"),
+            ("critic_reduction", self.critic_reduction in (None, *CRITIC_REDUCTIONS), " or ".join(CRITIC_REDUCTIONS)),
             ("actor_q", self.actor_q in (None, "noise_critic", "action_critic"), "noise_critic or action_critic"),
             ("value_expectile", self.value_expectile is None or (_is_number(self.value_expectile)
                                                                  and 0.0 < float(self.value_expectile) < 1.0),
@@ -437,6 +447,7 @@ def make_dsrl(algo: DSRLConfig, vec_env: LatentNoiseVecEnv, seed: int, device: s
         warm_start=WarmStart(algo.warmup_env_steps, algo.critic_only_steps),
         noise_aliasing=noise_aliasing,
         action_critics=algo.action_critics if noise_aliasing else 0,
+        critic_reduction=algo.critic_reduction or "min",
         actor_q=algo.actor_q or "noise_critic",
         value_expectile=None if algo.value_expectile is None else float(algo.value_expectile),
         activation=algo.activation,
@@ -444,6 +455,7 @@ def make_dsrl(algo: DSRLConfig, vec_env: LatentNoiseVecEnv, seed: int, device: s
         rollout_candidates=algo.rollout_candidates,
         policy_delay=algo.policy_delay,
         learning_rate=algo.lr,
+        actor_lr=None if algo.actor_lr is None else float(algo.actor_lr),
         buffer_size=algo.buffer_size,
         learning_starts=0,
         batch_size=algo.batch_size,
@@ -483,6 +495,7 @@ def _agent_config(algo: DSRLConfig, vec_env: LatentNoiseVecEnv) -> dict[str, Any
         "net_arch": list(algo.hidden_sizes),
         "activation": algo.activation,
         "n_critics": algo.n_critics,
+        "critic_reduction": algo.critic_reduction or "min",
         "eval_noise": algo.eval_noise,
         "eval_candidates": algo.eval_candidates,
     }

@@ -166,7 +166,7 @@ def test_dsrl_na_actor_on_action_critic_through_the_base_sampler():
     # the gradient of Q_A(s, pi_base(s, w)) with respect to the noise w is not zero: the sampler is differentiable
     data, extra = model.replay_buffer.sample_with_extras(8)
     noise = torch.zeros_like(data.actions, requires_grad=True)
-    q = model._action_q(model.action_critic, data.observations, model._base_chunk(extra["cond"], noise)).sum()
+    q = model.action_critic.members(data.observations, model._base_chunk(extra["cond"], noise)).sum()
     q.backward()
     assert noise.grad.abs().sum() > 0
 
@@ -194,6 +194,41 @@ def test_dsrl_na_policy_delay_steps_the_actor_once_per_that_many_critic_steps():
     assert not all(torch.equal(a, b) for a, b in zip(critic_before, model.action_critic.parameters()))
 
 
+@pytest.mark.parametrize("reduction", ["min", "mean"])
+def test_dsrl_na_critic_reduction_is_the_value_targets_and_best_of_n_read(tmp_path, reduction):
+    """critic_reduction: the Q_A ensemble's one value is its members' min or mean, in the model, its
+    target copy, and the evaluation agent an agent checkpoint rebuilds."""
+    from embodied_rl.actors import load_agent, save_agent
+    from embodied_rl.actors.latent_noise import AGENT_KIND
+    from embodied_rl.algos.dsrl import _agent_config, _agent_tensors
+
+    policy = tiny_policy()
+    algo = algo_cfg("dsrl_na", action_critics=3, critic_reduction=reduction, eval_candidates=2)
+    vec_env = make_vec_env(policy)
+    model = make_dsrl(algo, vec_env, seed=0)
+    obs, executed = torch.randn(5, 8), torch.randn(5, policy.n_action_steps * policy.action_dim)
+    members = model.action_critic.members(obs, executed)
+    assert members.shape == (5, 3) and members.std(1).min() > 0  # the members differ
+    expected = members.min(1, keepdim=True)[0] if reduction == "min" else members.mean(1, keepdim=True)
+    assert torch.allclose(model.action_critic.value(obs, executed), expected)
+    assert model.action_critic_target.reduction == reduction
+    save_agent(tmp_path / "agent", AGENT_KIND, _agent_config(algo, vec_env), _agent_tensors(model, algo), policy)
+    agent = load_agent(tmp_path / "agent", num_envs=4)
+    assert torch.allclose(agent.action_critic.value(obs, executed), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["dsrl", "dsrl_na"])
+def test_actor_lr_is_the_noise_actors_rate_through_training(variant):
+    """actor_lr: the noise actor's optimizer runs at it, the critics at lr, also after SB3's SAC.train
+    (plain DSRL), which resets every optimizer to its one schedule."""
+    model = make_dsrl(algo_cfg(variant, lr=3e-4, actor_lr=1e-4), make_vec_env(tiny_policy()), seed=0)
+    model.learn(total_timesteps=4 * 3)
+    model.train(gradient_steps=2, batch_size=8)
+    assert [g["lr"] for g in model.actor.optimizer.param_groups] == [1e-4]
+    critic = model.action_critic_optimizer if variant == "dsrl_na" else model.critic.optimizer
+    assert [g["lr"] for g in critic.param_groups] == [3e-4]
+
+
 def test_dsrl_na_rollout_candidates_execute_the_noise_its_action_critics_value_most():
     """rollout_candidates=N: after the warm-up each env executes, of N noises the actor samples, the
     one whose chunk (the base policy on the env's history) the Q_A ensemble's minimum values most."""
@@ -207,7 +242,7 @@ def test_dsrl_na_rollout_candidates_execute_the_noise_its_action_critics_value_m
     obs = torch.as_tensor(model._last_obs).repeat_interleave(5, dim=0)
     cond = policy.encode_obs(vec_env.history.get()).repeat_interleave(5, dim=0)
     with torch.no_grad():
-        q = model._min_action_q(model.action_critic, obs, model._base_chunk(cond, candidates)).reshape(3, 5)
+        q = model.action_critic.value(obs, model._base_chunk(cond, candidates)).reshape(3, 5)
     assert len(set(q.argmax(1).tolist())) > 1 or q.std() > 0  # the critics tell the candidates apart
     best = candidates.reshape(3, 5, -1)[torch.arange(3), q.argmax(1)].numpy()
     assert np.allclose(buffer_noise, best) and np.allclose(env_noise, best * 1.5)  # the env's box is [-1.5, 1.5]
@@ -230,7 +265,7 @@ def test_dsrl_na_value_expectile_is_the_expectile_of_the_replayed_chunks():
     data, extra = model.replay_buffer.sample_with_extras(4)
     obs = data.observations[:1].repeat(64, 1)
     q = torch.linspace(0.0, 1.0, 64)
-    model._action_q = lambda critic, o, a: q.reshape(-1, 1)  # Q_A of the 64 "replayed chunks" of one state
+    model.action_critic_target.value = lambda o, a: q.reshape(-1, 1)  # Q_A of the 64 "replayed chunks" of one state
     model.value_optimizer = torch.optim.Adam(model.value_net.parameters(), lr=1e-2)
     for _ in range(1500):
         model._train_value(type(data)(obs, *data[1:]), extra)
@@ -344,5 +379,5 @@ def test_bootstrapped_q_stays_in_the_success_rewards_range(variant, clip):
         targets = torch.cat(model.critic_target(obs, noise), dim=1)
     assert (targets == 1.0).all() if clip == "auto" else (targets > 1.0).all()
     if variant == "dsrl_na":
-        action_q = model._action_q(model.action_critic_target, obs, torch.randn(16, 4))
+        action_q = model.action_critic_target.members(obs, torch.randn(16, 4))
         assert (action_q == 1.0).all() if clip == "auto" else (action_q > 1.0).all()
