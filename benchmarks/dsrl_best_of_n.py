@@ -1,8 +1,8 @@
 """What a DSRL-NA run's action critic adds at deployment: value-guided best-of-N.
 
 At each decision the agent draws N candidate noises, turns each into a chunk with the frozen base
-policy, and executes the chunk its action critics value most (the minimum over the Q_A ensemble,
-as every target and the actor read it). This is how Q-chunking (QC, Li et al. 2025) and V-GPS
+policy, and executes the chunk its action critics value most (the Q_A ensemble's value, its
+`critic_reduction`, as every target and the actor read it). This is how Q-chunking (QC, Li et al. 2025) and V-GPS
 (Nakamoto et al. 2024) extract a policy from a critic without training an actor on it; here the
 critic is the one a DSRL-NA run trained (RUN/checkpoints/<step>/training_state), so any DSRL-NA
 checkpoint can be measured; a run with `algo.eval_candidates=N` deploys it (actors/latent_noise.py
@@ -33,7 +33,7 @@ from embodied_rl.actors.latent_noise import NoiseActorAgent
 from embodied_rl.eval.stats import wilson_interval
 
 
-def load_action_critic(checkpoint: Path, obs_dim: int, executed_dim: int, config: dict) -> torch.nn.ModuleList:
+def load_action_critic(checkpoint: Path, obs_dim: int, executed_dim: int, config: dict) -> latent_noise.ActionCritics:
     state = torch.load(checkpoint / "training_state" / "state.pt", map_location="cpu", weights_only=False)
     learner = state["modules"]["learner"]
     if "action_critic" not in learner:
