@@ -255,9 +255,9 @@ CRITIC_REDUCTIONS = ("min", "mean")
 
 class ActionCritics(nn.ModuleList):
     """An ensemble of LayerNorm Q networks Q(s, x) (DSRL-NA's action-space critic) and how its members
-    combine into one value: `min` (the pessimistic value of SAC and TD3) or `mean` (DSRL's LIBERO and
-    ALOHA runs, ten critics averaged: with a sparse 0/1 reward the minimum of few critics underrates
-    every chunk the replay has rarely seen succeed)."""
+    combine into one value: `min` (clipped double Q, the pessimistic value of SAC and TD3) or `mean`
+    (DSRL's reference LIBERO and ALOHA runs: ten critics averaged, less pessimistic, the ensemble's
+    size holding the overestimation down)."""
 
     def __init__(self, networks: list[nn.Module], reduction: str = "min"):
         super().__init__(networks)
