@@ -308,8 +308,8 @@ class DSRL(SAC):
         self.stats = {k: float(np.mean(v)) for k, v in stats.items()}
 
     def _train_value(self, data: Any, extra: dict[str, Tensor]) -> float:
-        """IQL's expectile regression: V(s) -> the value_expectile-expectile of Q_A_target(s, a) (the ensemble's value) over
-        the replayed chunks a (0.5: their mean; towards 1: the best of them)."""
+        """IQL's expectile regression: V(s) -> the value_expectile-expectile of Q_A_target(s, a) (the
+        ensemble's value) over the replayed chunks a (0.5: their mean; towards 1: the best of them)."""
         with torch.no_grad():
             q = self.action_critic_target.value(data.observations, extra["executed"])
         diff = q - self.value_net(data.observations)
