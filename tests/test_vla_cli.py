@@ -269,3 +269,27 @@ def test_put_firing_measures_a_reward_model_against_the_cube_to_pad_distance(bc,
     # both judged the same reached states: three complete put episodes of at most 60 steps (one that
     # lifts a cube it was not asked for fails and ends there), each state counted once
     assert counted[0] == counted[1] and 3 * 30 < counted[0] <= 3 * 60
+
+
+def test_training_rows_log_each_instructions_success(bc, tmp_path, capsys):
+    """On a multi-task suite every fine-tuning loop's logging rows hold the training success per
+    instruction (rollout/success_rate/<instruction>), as its evaluations do: the env-step loops
+    (residual TD3), DSRL's noise env and GRPO's groups."""
+    from embodied_rl import envs
+
+    instructions = set(envs.make("tabletop", num_envs=1).instructions)
+    runs = {"residual_offpolicy": ["algo.warmup_env_steps=8", "algo.critic_only_steps=0",
+                                   *OFF_POLICY["residual_offpolicy"]],
+            "dsrl": ["algo.warmup_env_steps=8", "algo.critic_only_steps=0", *OFF_POLICY["dsrl"]],
+            "grpo": ON_POLICY["grpo"]}
+    for algo, extra in runs.items():
+        run_dir = tmp_path / algo
+        assert main(["finetune", f"algo={algo}", "task=tabletop", f"checkpoint={bc}", "task.max_episode_steps=4",
+                     "num_envs=4", "env_steps=32", "log_every=16", "eval_every=0", "eval_episodes=2", "videos=0",
+                     f"run_dir={run_dir}", *extra]) == 0, capsys.readouterr().err
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        windows = [row for row in rows if row.get("rollout/episodes")]
+        assert windows, algo
+        for row in windows:
+            seen = {key.removeprefix("rollout/success_rate/") for key in row if key.startswith("rollout/success_rate/")}
+            assert seen and seen <= instructions, (algo, row)

@@ -102,6 +102,7 @@ class LatentNoiseVecEnv(VecEnv):
         self.episode_returns: list[float] = []
         self.episode_successes: list[bool] = []
         self.episode_learned_successes: list[bool] = []  # reward=model:PATH: the reward model's success
+        self.episode_instructions: list[int] = []  # a task with instructions: each episode's instruction id
         self._seed = seed
         self._actions: np.ndarray | None = None
         flat = int(np.prod(self.noise_shape))
@@ -164,6 +165,7 @@ class LatentNoiseVecEnv(VecEnv):
         next_flat = next_cond.float().cpu().numpy()
         final_features = self._features(final_obs).cpu().numpy() if bool(done.any()) else None
         done_np = done.cpu().numpy()
+        instruction = final_obs.get("instruction") if isinstance(final_obs, dict) else None
         for i in range(self.num_envs):
             item: dict[str, Any] = {
                 "executed_chunk": executed_flat[i],
@@ -181,6 +183,8 @@ class LatentNoiseVecEnv(VecEnv):
                     self.episode_successes.append(bool(episode["success_once"][i]))
                     if "learned_success_once" in episode:
                         self.episode_learned_successes.append(bool(episode["learned_success_once"][i]))
+                    if instruction is not None:
+                        self.episode_instructions.append(int(instruction[i]))
             infos.append(item)
         return self._features(obs).cpu().numpy(), reward.float().cpu().numpy(), done_np, infos
 

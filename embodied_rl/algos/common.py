@@ -66,7 +66,7 @@ import random
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -587,9 +587,22 @@ class Evaluator:
 # the learned success rising while the true one falls)
 EPISODE_METRICS = {"returns": "rollout/return", "successes": "rollout/success_rate",
                    "learned_returns": "train/learned_return", "learned_successes": "train/learned_success_rate"}
+# what else each finished episode records: its instruction id (a task with instructions), so that a
+# multi-task window's success reads per instruction too (rollout/success_rate/<instruction>): the
+# training curve of each task of a suite, beside eval's
+EPISODE_RECORDS = (*EPISODE_METRICS, "instructions")
 # reward=model:PATH: a logging window of at least this many training episodes whose learned success
 # rate exceeds the simulator's by learned_reward.hacking_gap is flagged as reward hacking
 HACKING_MIN_EPISODES = 20
+
+
+def ended_instructions(info: dict[str, Any], ended: torch.Tensor) -> list[int] | None:
+    """The instruction ids of the episodes `ended` marks (bool [N]), read from info["final_obs"];
+    None for a task without instructions."""
+    final = info.get("final_obs")
+    if not isinstance(final, dict) or final.get("instruction") is None:
+        return None
+    return final["instruction"].cpu()[ended.cpu()].tolist()
 
 
 def _next_multiple(step: int, every: int) -> int | None:
@@ -670,8 +683,9 @@ class FinetuneLoop:
         self.saved_step: int | None = None  # the step of the newest checkpoint this run holds
         # per finished episode (EPISODE_METRICS): this rank's since the last sync, and every
         # rank's of the current logging window
-        self.episodes: dict[str, list[float]] = {key: [] for key in EPISODE_METRICS}
-        self.window: dict[str, list[float]] = {key: [] for key in EPISODE_METRICS}
+        self.episodes: dict[str, list[float]] = {key: [] for key in EPISODE_RECORDS}
+        self.window: dict[str, list[float]] = {key: [] for key in EPISODE_RECORDS}
+        self.instructions: list[str] = []  # the task's instructions (start): what instruction ids name
         self.evaluator: Evaluator | None = None
         self.best: dict[str, Any] | None = None  # the record of checkpoints/best (rank 0)
         self.bar = None
@@ -737,7 +751,7 @@ class FinetuneLoop:
             self.counters.update(counters)
             self.counters.pop("step", None)
             self.window = {key: state["window"][key].tolist() if key in state["window"] else []
-                           for key in EPISODE_METRICS}
+                           for key in EPISODE_RECORDS}
             self.saved_step = self.step
             loop_state = dict(state["loop"])
             if state.get("replay") is not None:
@@ -756,12 +770,14 @@ class FinetuneLoop:
         self.next_checkpoint = _next_multiple(self.step, self.checkpoint_every)
         return loop_state
 
-    def start(self, desc: str, evaluate_start: bool = False) -> None:
+    def start(self, desc: str, evaluate_start: bool = False, instructions: Sequence[str] = ()) -> None:
         """Evaluate the starting model at step 0 (fresh runs; with `evaluate_start` even when
         eval_every is 0: a rule of the run needs it) and show the progress bar (rank 0). A
         resumed run whose checkpoint was evaluated before the stop weighs that evaluation for
         checkpoints/best (a kill may have come between the two writes). A run evaluated at its start
-        is evaluated at its end too (finish)."""
+        is evaluated at its end too (finish). `instructions`: the training env's (env.instructions),
+        what the instruction ids of its finished episodes name in the per-instruction success."""
+        self.instructions = list(instructions)
         self.evaluates_ends = self.evaluator.every > 0 or evaluate_start or getattr(self.evaluation, "judges", False)
         if self.resumed_from is None and self.evaluates_ends and distributed.is_main():
             self.evaluate(0, force=True)
@@ -783,15 +799,17 @@ class FinetuneLoop:
             learned = "learned_success_once" in episode  # a learned reward's env (rewards.LearnedRewardEnv)
             self.record_episodes(episode["return"][ended].tolist(), episode["success_once"][ended].float().tolist(),
                                  episode["learned_return"][ended].tolist() if learned else None,
-                                 episode["learned_success_once"][ended].float().tolist() if learned else None)
+                                 episode["learned_success_once"][ended].float().tolist() if learned else None,
+                                 ended_instructions(info, ended))
         self.bar.update(count)
 
     def record_episodes(self, returns: list[float], successes: list[float], learned_returns: list[float] | None = None,
-                        learned_successes: list[float] | None = None) -> None:
-        """This rank's finished episodes (the simulator's return and success, and with
-        reward=model:PATH the learned ones); they count (counters["episodes"]) once synced."""
+                        learned_successes: list[float] | None = None, instructions: list[int] | None = None) -> None:
+        """This rank's finished episodes (the simulator's return and success, with
+        reward=model:PATH the learned ones, and on a task with instructions each one's instruction
+        id); they count (counters["episodes"]) once synced."""
         finished = {"returns": returns, "successes": successes, "learned_returns": learned_returns,
-                    "learned_successes": learned_successes}
+                    "learned_successes": learned_successes, "instructions": instructions}
         for key, values in finished.items():
             self.episodes[key] += values or []
 
@@ -802,7 +820,7 @@ class FinetuneLoop:
             for key, values in episodes.items():
                 self.window[key] += values
             self.counters["episodes"] += len(episodes["returns"])
-        self.episodes = {key: [] for key in EPISODE_METRICS}
+        self.episodes = {key: [] for key in EPISODE_RECORDS}
 
     def check_finite(self, quantity: str, value: Any, metrics: dict[str, Any] | None = None) -> None:
         """Stop the run (Diverged, exit code 3) when `value` is not finite; its row is logged."""
@@ -825,11 +843,25 @@ class FinetuneLoop:
             row.update({name: sum(self.window[key]) / len(self.window[key])
                         for key, name in EPISODE_METRICS.items() if self.window[key]})
             row["rollout/episodes"] = len(self.window["returns"])
+            row.update(self._success_by_instruction())
             self._flag_reward_hacking(row)
-            self.window = {key: [] for key in EPISODE_METRICS}
+            self.window = {key: [] for key in EPISODE_RECORDS}
         self.run.log(self.step, row)
         self.next_log = _next_multiple(self.step, self.log_every)
         return True
+
+    def _success_by_instruction(self) -> dict[str, float]:
+        """A multi-task window's success rate per instruction (`rollout/success_rate/<instruction>`,
+        as eval names them) over the instructions its episodes had; {} on a single-instruction task
+        or a window whose episodes are not all labelled (the first one after resuming an older run)."""
+        ids, successes = self.window["instructions"], self.window["successes"]
+        if len(self.instructions) < 2 or len(ids) != len(successes):
+            return {}
+        by_id: dict[int, list[float]] = {}
+        for index, success in zip(ids, successes):
+            by_id.setdefault(int(index), []).append(success)
+        return {f"rollout/success_rate/{self.instructions[index]}": sum(values) / len(values)
+                for index, values in sorted(by_id.items())}
 
     def _flag_reward_hacking(self, row: dict[str, Any]) -> None:
         """reward=model:PATH: the learned success rate of the window's training episodes minus the

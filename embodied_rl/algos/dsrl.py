@@ -617,7 +617,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         return {"env": env_snapshot(env), "vec_env": vec_env.state_dict(),
                 "last_obs": torch.from_numpy(np.asarray(model._last_obs)), "replay": replay_state(model.replay_buffer)}
 
-    loop.start(f"finetune {algo.name}")
+    loop.start(f"finetune {algo.name}", instructions=env.instructions)
     while loop.env_steps < loop.total_env_steps:
         model.policy.set_training_mode(False)
         noise, buffer_noise = model._sample_action(0, None, vec_env.num_envs)
@@ -628,10 +628,11 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
 
         loop.advance(vec_env.env_steps - loop.env_steps)
         loop.record_episodes(list(vec_env.episode_returns), [float(s) for s in vec_env.episode_successes],
-                             learned_successes=[float(s) for s in vec_env.episode_learned_successes])
-        vec_env.episode_returns.clear()
-        vec_env.episode_successes.clear()
-        vec_env.episode_learned_successes.clear()
+                             learned_successes=[float(s) for s in vec_env.episode_learned_successes],
+                             instructions=list(vec_env.episode_instructions))
+        for finished in (vec_env.episode_returns, vec_env.episode_successes, vec_env.episode_learned_successes,
+                         vec_env.episode_instructions):
+            finished.clear()
         for key in ("train/critic_loss", "train/actor_loss", "train/noise_critic_loss", "train/action_critic_loss"):
             if key in model.stats:  # divergence stops the run
                 loop.check_finite(key, model.stats[key], model.stats)

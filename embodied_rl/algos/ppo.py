@@ -243,6 +243,7 @@ def collect_grpo(env, henv, actor, group_size: int, max_mdp_steps: int, sparse_r
     """One episode per env from G-fold shared initial states. Returns (batch, stats); the
     episodes' env steps are counted by the caller (every env runs until the last one ends)."""
     obs, _ = henv.reset(group_size=group_size)
+    instruction = obs.get("instruction") if isinstance(obs, dict) else None  # each episode's, for its stats
     n = env.num_envs
     actor.reset(torch.ones(n, dtype=torch.bool))
     device = first_tensor(obs).device
@@ -277,6 +278,7 @@ def collect_grpo(env, henv, actor, group_size: int, max_mdp_steps: int, sparse_r
     batch["advantage"] = advantages[None].expand_as(batch["valid"]) * batch["valid"]
     stats = {"episodes": n, "returns": episode_return.tolist(), "successes": success.float().tolist(),
              "learned_successes": learned_success.float().tolist() if learned else None,
+             "instructions": instruction.tolist() if instruction is not None else None,
              "informative_groups": float(informative.float().mean())}
     return batch, stats
 
@@ -377,7 +379,8 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
             state["anchor_earned"] = anchor_earned
         return state
 
-    loop.start(f"finetune {algo.name}", evaluate_start=earned is not None and algo.high_start is not None)
+    loop.start(f"finetune {algo.name}", evaluate_start=earned is not None and algo.high_start is not None,
+               instructions=env.instructions)
     # the release is earned at a high start (the base policy's own first evaluation reaches algo.high_start):
     # there RL has little to add and its noise much to take (docs/finetuning.md, "Conservative start of residual PPO")
     if earned is None:
@@ -395,7 +398,8 @@ def finetune(cfg: Any, run, env, policy) -> dict[str, Any]:
         if grpo:
             batch, stats = collect_grpo(env, henv, actor, group_size, max_mdp_steps, rewards.sparse)
             loop.advance(batch["valid"].shape[0] * num_envs * steps_per_mdp)
-            loop.record_episodes(stats["returns"], stats["successes"], learned_successes=stats["learned_successes"])
+            loop.record_episodes(stats["returns"], stats["successes"], learned_successes=stats["learned_successes"],
+                                 instructions=stats["instructions"])
         else:
             batch, obs = collect_ppo(env, henv, actor, obs, algo.num_steps, loop, rewards.sparse, shaping,
                                      rewards.bootstrap_truncation, record_episodes if anchor_earned else None)

@@ -201,5 +201,5 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     def act(cond: Tensor) -> Tensor:
         return learner.actor(cond, policy.initial_noise(num_envs, act_generator)).clamp(-1.0, 1.0)
 
-    loop.start(f"finetune {algo.name}")
+    loop.start(f"finetune {algo.name}", instructions=env.instructions)
     return data.train(loop, act, learner.update, stats)

@@ -325,7 +325,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
             return 0.0
         return float(values_of(map_obs(lambda o: o[None], episode["final"]))[0])
 
-    loop.start(f"finetune {algo.name}")
+    loop.start(f"finetune {algo.name}", instructions=env.instructions)
     while loop.env_steps < loop.total_env_steps:
         iteration_start = time.perf_counter()
         # ---- 1. roll out with the positive indicator ----

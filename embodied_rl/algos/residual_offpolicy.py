@@ -397,7 +397,7 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     evaluation = JudgedEvaluation(EnvEvaluation(cfg, run, make_agent, policy.env_options()), learner, algo.floor_reach)
     loop = FinetuneLoop(cfg, run, evaluation)
     saved = loop.resume({"learner": learner}, learner.optimizers(), write_agent)
-    loop.start(f"finetune {algo.name}")  # step 0: the base policy, unjudged
+    loop.start(f"finetune {algo.name}", instructions=env.instructions)  # step 0: the base policy, unjudged
     queue = PolicyRunner(policy, num_envs, seed=distributed.rank_seed(seed))
     window: list[dict[str, Tensor]] = []  # the last n_step steps, whose n-step returns are not complete yet
     stats: dict[str, float] = {}

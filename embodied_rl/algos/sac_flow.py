@@ -252,5 +252,5 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
     def update(batch: dict[str, Tensor]) -> dict[str, float]:
         return learner.update(batch, update_actor=loop.env_steps > algo.critic_only_steps)
 
-    loop.start(f"finetune {algo.name}")
+    loop.start(f"finetune {algo.name}", instructions=env.instructions)
     return data.train(loop, act, update, {})

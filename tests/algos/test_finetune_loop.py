@@ -420,3 +420,50 @@ def test_a_decay_needs_the_regulariser_it_schedules(checkpoints, tmp_path, capsy
                  "algo.base_reg_coef=0", "algo.base_reg_decay_steps=1000"]) == 2
     assert "algo.base_reg_decay_steps must be null unless algo.base_reg_coef > 0" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_multi_task_window_logs_each_instructions_training_success(tmp_path):
+    """Finished episodes carry their instruction id (final_obs["instruction"]); a window's row adds
+    rollout/success_rate/<instruction> per instruction its episodes had, and the window survives a
+    checkpoint. A window whose episodes are not all labelled (one a pre-instruction checkpoint
+    left) logs none rather than misattribute them."""
+    settings = {"env_steps": 100, "checkpoint_every": 10, "log_every": 10, "eval_every": 0}
+    texts = ["push the red block", "stack the cubes", "open the drawer"]
+
+    def finished(instructions, successes):
+        ended = torch.tensor([True] * len(successes) + [False])  # a last env still running
+        return {"_episode": ended, "final_obs": {"state": torch.zeros(len(ended), 2),
+                                                 "instruction": torch.tensor([*instructions, 1])},
+                "episode": {"return": torch.tensor([*successes, 0.0]),
+                            "success_once": torch.tensor([*successes, 0.0]) > 0}}
+
+    run = Run(tmp_path / "run")
+    loop = FinetuneLoop(settings, run, evaluation=None)
+    loop.resume({"net": torch.nn.Linear(2, 2)}, {}, write_agent=lambda directory: None)
+    loop.start("test", instructions=texts)
+    loop.advance(5, finished([0, 2, 0, 2], [1.0, 0.0, 1.0, 1.0]))
+    loop.save({})  # mid-window: the window's episodes and their instructions are in the checkpoint
+    resumed = FinetuneLoop(settings, run, evaluation=None)
+    resumed.resume({"net": torch.nn.Linear(2, 2)}, {}, write_agent=lambda directory: None)
+    resumed.start("test", instructions=texts)
+    resumed.advance(5, finished([2], [0.0]))
+    assert resumed.log({})
+    row = read_metrics(tmp_path / "run")[-1]
+    assert row["rollout/success_rate"] == 0.6 and row["rollout/episodes"] == 5
+    by_instruction = {key: value for key, value in row.items() if key.startswith("rollout/success_rate/")}
+    assert by_instruction == {"rollout/success_rate/push the red block": 1.0,
+                              "rollout/success_rate/open the drawer": pytest.approx(1 / 3)}
+    # a window holding episodes without an id (recorded before ids were) names no instruction
+    resumed.record_episodes([1.0], [1.0])
+    resumed.advance(10, finished([1], [1.0]))
+    assert resumed.log({}) and not any(key.startswith("rollout/success_rate/") for key in read_metrics(tmp_path / "run")[-1])
+    # a single-instruction task has only its overall rate
+    single_run = Run(tmp_path / "single")
+    single = FinetuneLoop(settings, single_run, evaluation=None)
+    single.resume({"net": torch.nn.Linear(2, 2)}, {}, write_agent=lambda directory: None)
+    single.start("test", instructions=texts[:1])
+    single.advance(10, finished([0, 0], [1.0, 0.0]))
+    assert single.log({}) and [key for key in read_metrics(tmp_path / "single")[-1] if key.startswith("rollout/")] == [
+        "rollout/return", "rollout/success_rate", "rollout/episodes"]
+    run.close()
+    single_run.close()
