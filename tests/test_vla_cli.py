@@ -120,6 +120,12 @@ def test_periodic_evaluations_log_each_instructions_success(bc, tmp_path, capsys
     per_instruction = {key.removeprefix("eval/success_rate/"): value for key, value in evaluations[-1].items()
                        if key.startswith("eval/success_rate/")}
     assert per_instruction == {text: group["success_rate"] for text, group in final.items()}
+    # report.md: a table of each instruction's success at the start and at the end
+    report = (run_dir / "report.md").read_text()
+    table = report.split("## Success per instruction")[1].split("##")[0]
+    assert "| instruction | start (step 0) | fine-tuned (step 16) |" in table
+    for text, group in final.items():
+        assert f"| {text} | " in table and f" {100 * group['success_rate']:.1f}% |" in table.split(f"| {text} | ")[1].split("\n")[0]
 
 
 def test_qc_fql_copies_the_vla_velocity_network_as_its_one_step_policy(bc, tmp_path, capsys):

@@ -169,6 +169,7 @@ def write_finetune_report(cfg: DictConfig, run: Any) -> Path:
 
     from embodied_rl.algos.common import read_best
     from embodied_rl.eval.report import (
+        instruction_table,
         learned_reward_curve,
         learning_curve,
         run_section,
@@ -185,11 +186,16 @@ def write_finetune_report(cfg: DictConfig, run: Any) -> Path:
 
     rows = run.read_metrics()
     evaluations = [row for row in rows if "eval/return" in row]
-    results = {}
+    labelled = {}
     if evaluations and evaluations[0]["step"] == 0:
-        results["start (step 0)"] = overall(evaluations[0])
+        labelled["start (step 0)"] = evaluations[0]
     if evaluations and evaluations[-1]["step"] > 0:
-        results[f"fine-tuned (step {evaluations[-1]['step']})"] = overall(evaluations[-1])
+        labelled[f"fine-tuned (step {evaluations[-1]['step']})"] = evaluations[-1]
+    results = {label: overall(row) for label, row in labelled.items()}
+    # a multi-task run's evaluations per task (eval/success_rate/<instruction>): which tasks moved
+    prefix = "eval/success_rate/"
+    by_instruction = {label: {key.removeprefix(prefix): value for key, value in row.items() if key.startswith(prefix)}
+                      for label, row in labelled.items()}
     best = read_best(run.file("checkpoints"))
     best_rows = [row for row in evaluations if best is not None and row["step"] == best["step"]]
     if best_rows and best_rows[-1] is not evaluations[-1]:
@@ -202,6 +208,8 @@ def write_finetune_report(cfg: DictConfig, run: Any) -> Path:
         final = {}
     sections = [
         ("Result", success_table(results) if results else "_no evaluation was logged (eval_every=0)_"),
+        *([("Success per instruction", instruction_table(by_instruction))]
+          if any(by_instruction.values()) else []),
         ("Learning curve", learning_curve(rows, run.file("plots", "learning_curve.png"), run.path,
                                           f"{cfg.task.name}: {cfg.algo.name} fine-tuning")),
         *([("Learned vs true success", learned_reward_curve(rows, run.file("plots", "learned_reward.png"), run.path))]

@@ -110,6 +110,17 @@ def success_table(results: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def instruction_table(columns: Mapping[str, Mapping[str, float]]) -> str:
+    """A markdown table of success per instruction (a multi-task suite's tasks), one column per
+    labelled evaluation ({"start (step 0)": {instruction: rate}, ...}), rows in the order the
+    instructions first appear; "-" where an evaluation had no episode of that instruction."""
+    instructions = list(dict.fromkeys(text for rates in columns.values() for text in rates))
+    lines = ["| instruction | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for text in instructions:
+        lines.append(f"| {text} | " + " | ".join(_pc(rates.get(text)) for rates in columns.values()) + " |")
+    return "\n".join(lines)
+
+
 def relative_link(path: str | Path, base: str | Path) -> str:
     """`path` relative to the report's folder, with forward slashes (markdown links)."""
     try:

@@ -2,7 +2,13 @@
 
 import imageio.v2 as imageio
 
-from embodied_rl.eval.report import plot_curve, success_table, video_links, write_report
+from embodied_rl.eval.report import (
+    instruction_table,
+    plot_curve,
+    success_table,
+    video_links,
+    write_report,
+)
 
 
 def overall(rate, n=10, has_success=True):
@@ -53,3 +59,11 @@ def test_report_has_before_after_table_and_links(tmp_path):
     assert "- [episode 0](videos/episode_0.mp4): success, 12 steps" in text
     assert "episode 1" not in text
     assert "## Learning curve" in text
+
+
+def test_instruction_table_lines_up_each_instructions_success_across_evaluations():
+    table = instruction_table({"start (step 0)": {"open the drawer": 0.3, "push the block": 1.0},
+                               "fine-tuned (step 50)": {"push the block": 0.9, "stack the cubes": 0.55}})
+    assert table.splitlines() == ["| instruction | start (step 0) | fine-tuned (step 50) |", "|---|---|---|",
+                                  "| open the drawer | 30.0% | - |", "| push the block | 100.0% | 90.0% |",
+                                  "| stack the cubes | - | 55.0% |"]
