@@ -135,3 +135,44 @@ def test_export_takes_meta_worlds_control_rate(demos, capsys):
     assert main(["export-demos", f"data={demos / 'collect' / 'demos.zarr'}", f"out={out}",
                  f"run_dir={demos / 'export'}"]) == 0, capsys.readouterr().err
     assert json.loads((out / "meta" / "info.json").read_text())["fps"] == 80  # frame_skip 5 x 0.0025 s
+
+
+def test_eval_runs_a_suite_checkpoint_on_one_of_its_tasks(tmp_path, capsys):
+    """eval task=metaworld/<task> of an MT10 checkpoint: every episode on that task, the policy
+    reading its own id of the task's instruction; a task outside the suite is refused."""
+    import torch
+
+    from embodied_rl.commands import instruction_ids
+    from embodied_rl.commands.evaluate import TranslatesInstructions
+    from embodied_rl.envs.registry import task_class
+    from embodied_rl.policies import make_policy, save_policy
+
+    suite = list(task_class("metaworld/MT10").instructions)
+    torch.manual_seed(0)
+    policy = make_policy("flow", obs_dim=39, action_dim=4, n_obs_steps=2, horizon=4, n_action_steps=2,
+                         num_inference_steps=2, task="metaworld/MT10", instructions=suite, text_encoder="hash",
+                         backbone_kwargs=dict(hidden_dim=16, num_blocks=1, time_dim=8))
+    checkpoint = save_policy(policy, tmp_path / "mt10")
+    run_dir = tmp_path / "eval_drawer"
+    assert main(["eval", f"checkpoint={checkpoint}", "task=metaworld/drawer-open", "task.max_episode_steps=10",
+                 "episodes=2", "num_envs=2", "videos=0", f"run_dir={run_dir}"]) == 0, capsys.readouterr().err
+    info = json.loads((run_dir / "eval_info.json").read_text())
+    assert info["task"] == "metaworld/drawer-open"
+    assert {episode["instruction"] for episode in info["per_episode"]} == {"pull the drawer open"}
+    capsys.readouterr()
+
+    class Reads:  # what the policy is shown
+        def act(self, obs):
+            self.instruction = obs["instruction"]
+
+    reads = Reads()
+    assert instruction_ids(policy, "metaworld/drawer-open") == [4] and instruction_ids(policy, "metaworld/MT10") is None
+    TranslatesInstructions(reads, [4]).act({"instruction": torch.zeros(2, dtype=torch.long)})
+    assert reads.instruction.tolist() == [4, 4]  # the env's only instruction is MT10's fifth
+
+    assert main(["eval", f"checkpoint={checkpoint}", "task=metaworld/assembly", "episodes=1",
+                 f"run_dir={tmp_path / 'outside'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: checkpoint '{checkpoint}' was trained on task 'metaworld/MT10' but task=metaworld/assembly; "
+                   "pass task=metaworld/MT10 or a task of it whose instructions it was trained on")
+    assert not (tmp_path / "outside").exists()

@@ -114,10 +114,13 @@ def recorded_task(policy: Any, path: Path) -> str | None:
     return None
 
 
-def checkpoint_task(policy: Any, path: Path, requested: str | None) -> str:
+def checkpoint_task(policy: Any, path: Path, requested: str | None, member: bool = False) -> str:
     """The task to run a policy checkpoint on: the one it records, which must be a known task,
     agree with task= when that is given, and match the policy's observation and action sizes and,
     for a language-conditioned policy, the task's instruction list (its ids index that list).
+    With `member` (eval), task= may also name a task of the suite it was trained on: the same
+    sizes, every instruction one the policy was trained on (libero/libero_spatial/4 for a
+    libero/libero_spatial checkpoint); its ids are then not the policy's (`instruction_ids`).
     Anything else is a UserError (eval and finetune refuse the same checkpoints)."""
     from embodied_rl.envs.registry import TASKS, is_task, task_class
 
@@ -129,8 +132,11 @@ def checkpoint_task(policy: Any, path: Path, requested: str | None) -> str:
         raise UserError(f"checkpoint '{path}' was trained on task '{trained_on}', which is not a known task "
                         f"(known: {', '.join(TASKS)}, metaworld/<task>)")
     if requested is not None and requested != trained_on:
+        if member and is_task(requested) and suite_member(policy, task_class(requested)):
+            return requested
+        suite = " or a task of it whose instructions it was trained on" if member else ""
         raise UserError(f"checkpoint '{path}' was trained on task '{trained_on}' but task={requested}; "
-                        f"pass task={trained_on}")
+                        f"pass task={trained_on}{suite}")
     task = task_class(trained_on)
     sizes = (getattr(policy, "obs_dim", None), getattr(policy, "action_dim", None))
     if sizes != (task.obs_dim, task.action_dim):
@@ -143,11 +149,32 @@ def checkpoint_task(policy: Any, path: Path, requested: str | None) -> str:
     return trained_on
 
 
-def load_checkpoint_agent(path: str | Path, num_envs: int, device: str, task: str | None) -> tuple[Path, Any, Any, str]:
+def suite_member(policy: Any, task: Any) -> bool:
+    """Whether `policy` (a language-conditioned one) can run `task`, a task of the suite it was
+    trained on: the same observation and action sizes, and instructions all among its own."""
+    instructions = list(getattr(policy, "instructions", None) or [])
+    sizes = (getattr(policy, "obs_dim", None), getattr(policy, "action_dim", None))
+    return (bool(instructions) and bool(task.instructions) and sizes == (task.obs_dim, task.action_dim)
+            and set(task.instructions) <= set(instructions))
+
+
+def instruction_ids(policy: Any, task: str) -> list[int] | None:
+    """The policy's id of each of `task`'s instructions (env id i reads policy id ids[i]); None when
+    they are the same list (the task the policy was trained on)."""
+    from embodied_rl.envs.registry import task_class
+
+    own = list(getattr(policy, "instructions", None) or [])
+    instructions = list(task_class(task).instructions)
+    return None if not own or instructions == own else [own.index(text) for text in instructions]
+
+
+def load_checkpoint_agent(path: str | Path, num_envs: int, device: str, task: str | None,
+                          member: bool = False) -> tuple[Path, Any, Any, str]:
     """(checkpoint, policy, agent, task) of a BC or fine-tuned checkpoint (a run directory stands
     for its checkpoints/last): its policy (a fine-tuned one's base policy: what the env must
     show it), the agent that acts with it (`reset(mask)`, `act(obs)`) and the task it runs on
-    (`checkpoint_task`). A corrupt checkpoint or one with non-finite weights is a UserError."""
+    (`checkpoint_task`, `member` passed on). A corrupt checkpoint or one with non-finite weights
+    is a UserError."""
     from embodied_rl.actors import AGENT_FILE, BASE_POLICY, load_agent, resolve_checkpoint
     from embodied_rl.algos.common import refuse_non_finite_checkpoint
     from embodied_rl.policies import PolicyRunner
@@ -155,7 +182,7 @@ def load_checkpoint_agent(path: str | Path, num_envs: int, device: str, task: st
     checkpoint = resolve_checkpoint(Path(str(path)).expanduser())
     finetuned = (checkpoint / AGENT_FILE).is_file()  # an RL checkpoint: its actor acts
     policy = load_checkpoint(checkpoint / BASE_POLICY if finetuned else checkpoint, device)
-    task = checkpoint_task(policy, checkpoint, task)
+    task = checkpoint_task(policy, checkpoint, task, member)
     agent = load_agent(checkpoint, num_envs, device) if finetuned else PolicyRunner(policy, num_envs)
     refuse_non_finite_checkpoint(checkpoint, policy, agent)
     return checkpoint, policy, agent, task

@@ -9,6 +9,11 @@ recorded in the checkpoint is used; a `task=` that differs from it is an error.
 `checkpoint=RUN_DIR/checkpoints/best` a finetune run's best periodic evaluation. The headline's
 `checkpoint` line names the one taken and, for a fine-tuned one, its env step.
 
+`task=<suite>/<task>` runs a checkpoint trained on a suite on one of its tasks (a
+libero/libero_spatial checkpoint on libero/libero_spatial/4, all its episodes on that task): the
+task's instructions must all be among the policy's, and each env's instruction id is translated to
+the policy's id of the same text.
+
 `instruction="any English sentence"` (a vla checkpoint) makes the policy read that instruction in
 every env instead of the env's own, encoded on the fly by the policy's text encoder: language
 ablations and paraphrases. Success is still judged on each env's own instruction, which the
@@ -74,6 +79,28 @@ class ReadsInstruction:
 
     def act(self, obs: dict[str, Any]) -> Any:
         return self.agent.act({**obs, "instruction": obs["instruction"].clone().fill_(self.instruction)})
+
+
+class TranslatesInstructions:
+    """An agent on a task of the suite its policy was trained on (eval task=<suite>/<task>): the
+    env's instruction id i becomes the policy's id `ids[i]` of the same text before it acts."""
+
+    def __init__(self, agent: Any, ids: list[int]):
+        import torch
+
+        self.agent, self.ids = agent, torch.tensor(ids)
+
+    def reset(self, mask: Any) -> None:
+        self.agent.reset(mask)
+
+    def seed(self, seed: int) -> None:
+        from embodied_rl.eval.evaluate import seed_agent
+
+        seed_agent(self.agent, seed)
+
+    def act(self, obs: dict[str, Any]) -> Any:
+        instruction = obs["instruction"]
+        return self.agent.act({**obs, "instruction": self.ids.to(instruction.device)[instruction]})
 
 
 def read_instruction(agent: Any, text: str) -> ReadsInstruction:
@@ -175,7 +202,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         return evaluate.main(cfg)
     refuse_lm_checkpoint(cfg)
     from embodied_rl.algos.common import saved_env_step
-    from embodied_rl.commands import load_checkpoint_agent
+    from embodied_rl.commands import instruction_ids, load_checkpoint_agent
     from embodied_rl.runs import start_run
 
     episodes = int(cfg.episodes)
@@ -184,7 +211,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     num_envs = min(int(cfg.num_envs), episodes)
     # without task=, the checkpoint's own task; a run directory stands for its checkpoints/last
     checkpoint, policy, agent, task = load_checkpoint_agent(
-        validate(cfg), num_envs, str(cfg.device), OmegaConf.select(cfg, "task.name", default=None))
+        validate(cfg), num_envs, str(cfg.device), OmegaConf.select(cfg, "task.name", default=None), member=True)
     step = saved_env_step(checkpoint)
     taken = str(checkpoint) if step is None else f"{checkpoint} (env step {step})"  # the headline says which
 
@@ -208,6 +235,9 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         agent = read_instruction(agent, str(cfg.instruction))
     if cfg.get("instruction_shuffle"):
         agent = shuffle_instructions(agent, policy, num_envs)
+    ids = instruction_ids(policy, task)
+    if ids is not None:  # a task of the policy's suite: outermost, so the wrappers above see the policy's ids
+        agent = TranslatesInstructions(agent, ids)
 
     if OmegaConf.select(cfg, "task.name", default=None) is None:
         with open_dict(cfg):  # record the task taken from the checkpoint in config.yaml
