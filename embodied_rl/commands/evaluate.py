@@ -3,7 +3,8 @@
 Loads a policy checkpoint (BC-pretrained or RL-finetuned: `load_policy` tells them apart), runs
 it on `min(num_envs, episodes)` parallel envs through the agent protocol, and writes
 `<run_dir>/eval_info.json` and `<run_dir>/videos/episode_<k>.mp4`. Without `task=`, the task
-recorded in the checkpoint is used; a `task=` that differs from it is an error.
+recorded in the checkpoint is used; a `task=` that differs from it is an error, unless it is a
+task of the checkpoint's suite (below).
 
 `checkpoint=RUN_DIR` (a pretrain or finetune run) takes its checkpoints/last, the newest;
 `checkpoint=RUN_DIR/checkpoints/best` a finetune run's best periodic evaluation. The headline's
