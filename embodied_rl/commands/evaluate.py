@@ -64,11 +64,12 @@ def validate(cfg: DictConfig) -> Path:
     return path
 
 
-class ReadsInstruction:
-    """An agent shown instruction id `instruction` in every env in place of the env's own."""
+class RewritesInstruction:
+    """An agent shown other instruction ids than each env's own (`rewrite(ids) -> ids`); the env
+    still scores its own."""
 
-    def __init__(self, agent: Any, instruction: int):
-        self.agent, self.instruction = agent, int(instruction)
+    def __init__(self, agent: Any):
+        self.agent = agent
 
     def reset(self, mask: Any) -> None:
         self.agent.reset(mask)
@@ -78,30 +79,36 @@ class ReadsInstruction:
 
         seed_agent(self.agent, seed)
 
+    def rewrite(self, ids: Any) -> Any:
+        raise NotImplementedError
+
     def act(self, obs: dict[str, Any]) -> Any:
-        return self.agent.act({**obs, "instruction": obs["instruction"].clone().fill_(self.instruction)})
+        return self.agent.act({**obs, "instruction": self.rewrite(obs["instruction"])})
 
 
-class TranslatesInstructions:
+class ReadsInstruction(RewritesInstruction):
+    """An agent shown instruction id `instruction` in every env in place of the env's own."""
+
+    def __init__(self, agent: Any, instruction: int):
+        super().__init__(agent)
+        self.instruction = int(instruction)
+
+    def rewrite(self, ids: Any) -> Any:
+        return ids.clone().fill_(self.instruction)
+
+
+class TranslatesInstructions(RewritesInstruction):
     """An agent on a task of the suite its policy was trained on (eval task=<suite>/<task>): the
     env's instruction id i becomes the policy's id `ids[i]` of the same text before it acts."""
 
     def __init__(self, agent: Any, ids: list[int]):
         import torch
 
-        self.agent, self.ids = agent, torch.tensor(ids)
+        super().__init__(agent)
+        self.ids = torch.tensor(ids)
 
-    def reset(self, mask: Any) -> None:
-        self.agent.reset(mask)
-
-    def seed(self, seed: int) -> None:
-        from embodied_rl.eval.evaluate import seed_agent
-
-        seed_agent(self.agent, seed)
-
-    def act(self, obs: dict[str, Any]) -> Any:
-        instruction = obs["instruction"]
-        return self.agent.act({**obs, "instruction": self.ids.to(instruction.device)[instruction]})
+    def rewrite(self, ids: Any) -> Any:
+        return self.ids.to(ids.device)[ids]
 
 
 def read_instruction(agent: Any, text: str) -> ReadsInstruction:
