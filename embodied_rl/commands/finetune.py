@@ -73,7 +73,30 @@ def validate(cfg: DictConfig) -> Path:
         check_actor_kwargs(actor, dict(OmegaConf.select(cfg, "algo.actor_kwargs") or {}))
     if not 0 <= int(cfg.videos) <= int(cfg.eval_episodes):
         raise UserError(f"videos must be in [0, eval_episodes={cfg.eval_episodes}], got {cfg.videos}")
+    check_task_weights(cfg)
     return resolve_checkpoint(Path(str(cfg.checkpoint)).expanduser())
+
+
+def check_task_weights(cfg: DictConfig) -> list[float] | None:
+    """task_weights: how the training envs split across a LIBERO suite's tasks, one weight per
+    task in the suite's order (envs/tasks/libero.py's envs_per_task), so that the tasks the policy
+    fails get more of the episodes; the evaluations keep the even split. None: the even split."""
+    weights = cfg.get("task_weights")
+    if weights is None:
+        return None
+    from embodied_rl.envs.tasks import libero
+
+    name = str(cfg.task.name)
+    if not libero.is_task(name) or len(libero.task_class(name).suite_tasks) < 2:
+        raise UserError(f"task_weights splits the training envs of a LIBERO suite (task=libero/<suite>), not of "
+                        f"task '{name}'")
+    count = len(libero.task_class(name).suite_tasks)
+    weights = OmegaConf.to_container(weights) if OmegaConf.is_config(weights) else weights
+    numbers = isinstance(weights, list) and all(isinstance(w, int | float) and not isinstance(w, bool) for w in weights)
+    if not numbers or len(weights) != count or min(weights) < 0 or sum(weights) <= 0:
+        raise UserError(f"task_weights must be {count} numbers >= 0, one per task of '{name}' in its order, not all 0; "
+                        f"got {weights!r}")
+    return [float(weight) for weight in weights]
 
 
 def load_base_policy(path: Path, device: str, sampler_steps: int | None = None):
@@ -95,7 +118,7 @@ def load_base_policy(path: Path, device: str, sampler_steps: int | None = None):
 
 # Keys a resumed run may change: how long it runs and what it records, not what it trains.
 RESUME_MAY_CHANGE = ("env_steps", "eval_every", "eval_episodes", "videos", "checkpoint_every", "log_every",
-                     "save_replay")
+                     "save_replay", "task_weights")
 
 
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
@@ -133,10 +156,17 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     options, task_options = policy.env_options(), envs.task_overrides(cfg.task)  # what the policy reads
     if learned is not None:  # and the frames the reward model reads
         options, task_options = learned.env_options(options, task_options)
+    task_weights = check_task_weights(cfg)
+    if task_weights is not None:  # the training env's split; the evaluation's stays even
+        options["task_weights"] = task_weights
     # under torchrun each rank steps its own shard of the envs with its own seeds
     env = envs.make(cfg.task.name, num_envs=distributed.shard(int(cfg.num_envs)), backend=cfg.backend,
                     device=cfg.device, seed=distributed.rank_seed(int(cfg.seed)), task_options=task_options,
                     **options)
+    if task_weights is not None and distributed.is_main():
+        from embodied_rl.envs.tasks.libero import envs_per_task
+
+        print(f"training envs per task: {envs_per_task(env.num_envs, task_weights)}", flush=True)
     if learned is not None:
         env = learned.wrap(env, policy.env_options()["image_size"] if policy.obs_mode == "pixels" else None)
     if env.action_dim != policy.action_dim:

@@ -17,6 +17,7 @@ from embodied_rl.cli import main
 from embodied_rl.config import compose
 from embodied_rl.envs import make, make_expert, registry, task_overrides
 from embodied_rl.envs.tasks import libero
+from embodied_rl.errors import UserError
 from embodied_rl.paths import sim_dir
 from tests.envs.test_process_backend import imported_packages
 
@@ -53,6 +54,34 @@ def test_every_suite_and_task_is_registered_with_libero_descriptions():
 ])
 def test_an_unknown_suite_or_task_id_is_one_line_without_a_run_dir(task, message, tmp_path, capsys):
     assert main(["collect", f"task={task}", f"run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {message}") and "\n" not in err and not (tmp_path / "run").exists()
+
+
+def test_task_weights_split_a_suite_s_envs_in_proportion_with_one_for_each_weighted_task():
+    assert libero.envs_per_task(20, [1, 3, 1, 1, 5, 1, 1, 1, 1, 5]) == [1, 3, 1, 1, 5, 1, 1, 1, 1, 5]  # the counts
+    assert libero.envs_per_task(10, [1, 1, 1, 1, 16, 0, 0, 0, 0, 0]) == [1, 1, 1, 1, 6, 0, 0, 0, 0, 0]
+    assert libero.envs_per_task(7, [1, 2]) == [2, 5]  # quotas 2.33, 4.67: the larger remainder gets the 7th
+    task = registry.task_class("libero/libero_spatial")()
+    spec = task.process_spec(12, "state", 128, 128, [0, 2, 0, 0, 1, 0, 0, 0, 0, 1])
+    assert [env["task_id"] for env in spec["per_env"]] == [1] * 6 + [4] * 3 + [9] * 3
+    assert [env["instruction"] for env in spec["per_env"]] == [1] * 6 + [4] * 3 + [9] * 3
+    assert [env["task_id"] for env in task.process_spec(20, "state", 128, 128)["per_env"]] == sorted(list(range(10)) * 2)
+    with pytest.raises(UserError, match="task_weights gives 3 tasks envs, more than num_envs=2"):
+        libero.envs_per_task(2, [1, 1, 1])
+
+
+@pytest.mark.parametrize("task,weights,message", [
+    ("libero/libero_spatial", "[1,2]", "task_weights must be 10 numbers >= 0, one per task of 'libero/libero_spatial' "
+                                       "in its order, not all 0; got [1, 2]"),
+    ("libero/libero_spatial", "[0,0,0,0,0,0,0,0,0,0]", "task_weights must be 10 numbers >= 0"),
+    ("libero/libero_spatial/4", "[1]", "task_weights splits the training envs of a LIBERO suite (task=libero/<suite>), "
+                                       "not of task 'libero/libero_spatial/4'"),
+    ("reach", "[1]", "task_weights splits the training envs of a LIBERO suite"),
+])
+def test_bad_task_weights_are_one_line_without_a_run_dir(task, weights, message, tmp_path, capsys):
+    assert main(["finetune", f"task={task}", f"task_weights={weights}", f"checkpoint={tmp_path}",
+                 f"run_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {message}") and "\n" not in err and not (tmp_path / "run").exists()
 
@@ -181,6 +210,16 @@ def test_the_expert_succeeds(task):
         assert before[0] < 0.1 and before.max() <= 0.7
         for stage in (0.35, 0.5, 0.6):  # grasped, lifted, over the target
             assert (before >= stage).any(), (stage, rewards)
+
+
+@needs_libero
+@pytest.mark.slow
+def test_task_weights_give_the_weighted_tasks_the_envs(tmp_path):
+    weights = [0, 0, 0, 0, 2, 0, 0, 0, 0, 1]
+    with make("libero/libero_spatial", num_envs=3, workers=1, seed=0, task_weights=weights,
+              task_options={"max_episode_steps": 2}) as env:
+        obs, _ = env.reset(seed=0)
+        assert obs["instruction"].tolist() == [4, 4, 9] and len(env.instructions) == 10
 
 
 @needs_libero

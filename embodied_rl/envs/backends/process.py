@@ -56,7 +56,7 @@ DEFAULT_TIMEOUT = 60.0
 # take longer than a step: it gets at least this long, and `timeout` more for each further env.
 START_TIMEOUT = 120.0
 OPTIONS = ("python", "workers", "timeout", "factory", "env_kwargs", "max_episode_steps",
-           "render_mode", "flatten_obs")
+           "render_mode", "flatten_obs", "task_weights")
 OBS_KEYS = ("state", "pixels", "instruction")  # the dict observation entries of the contract
 SETUP = "python3 -m venv DIR && DIR/bin/pip install numpy gymnasium <your simulator>"
 
@@ -491,12 +491,13 @@ def make_env(task: str | Any, num_envs: int, device: str | torch.device = "cpu",
     module in the worker first), a task name of this package (made in each worker through its
     gymnasium registration, so that worker's interpreter needs embodied_rl), with
     `factory="module:attr"` a name for messages, or a Task that describes its workers
-    (`process_spec(num_envs, obs_mode, image_size, render_size)` and `worker_python(python)`:
-    LIBERO's, envs/tasks/libero.py), which the env then carries as `env.task`.
+    (`process_spec(num_envs, obs_mode, image_size, render_size, task_weights)` and
+    `worker_python(python)`: LIBERO's, envs/tasks/libero.py), which the env then carries as
+    `env.task`.
 
     Options: python, workers, timeout; factory; env_kwargs (JSON values, to gymnasium.make or
-    the factory); for an env id max_episode_steps, render_mode (default "rgb_array") and
-    flatten_obs. obs_mode="pixels" (with image_size) and render_size apply to this package's
+    the factory); task_weights (how a LIBERO suite's envs split across its tasks); for an env id
+    max_episode_steps, render_mode (default "rgb_array") and flatten_obs. obs_mode="pixels" (with image_size) and render_size apply to this package's
     tasks, whose workers render them; any env whose Dict observation has a "pixels" entry gives
     pixels anyway.
     """
@@ -507,12 +508,16 @@ def make_env(task: str | Any, num_envs: int, device: str | torch.device = "cpu",
         raise UserError(f"unknown option(s) {unknown} for the process backend (choose from: {', '.join(OPTIONS)})")
     _check_options(options)
     process = {key: options.pop(key) for key in ("python", "workers", "timeout") if key in options}
+    task_weights = options.pop("task_weights", None)
+    if task_weights is not None and (isinstance(task, str) or len(getattr(task, "suite_tasks", ())) < 2):
+        raise UserError(f"task_weights splits the envs of a multi-task LIBERO suite (task=libero/<suite>), "
+                        f"not of '{getattr(task, 'name', task)}'")
     if not isinstance(task, str):
         if options:
             raise UserError(f"option(s) {sorted(options)} do not apply to task '{task.name}', which makes its own envs")
         process["python"] = task.worker_python(process.get("python"))
-        env = ProcessEnv(task.name, task.process_spec(num_envs, obs_mode, image_size, render_size),
-                         num_envs=num_envs, seed=seed, device=device, **process)
+        spec = task.process_spec(num_envs, obs_mode, image_size, render_size, task_weights)
+        env = ProcessEnv(task.name, spec, num_envs=num_envs, seed=seed, device=device, **process)
         env.task = task
         return env
     factory = options.pop("factory", None)

