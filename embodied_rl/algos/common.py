@@ -852,16 +852,20 @@ class FinetuneLoop:
 
     def _success_by_instruction(self) -> dict[str, float]:
         """A multi-task window's success rate per instruction (`rollout/success_rate/<instruction>`,
-        as eval names them) over the instructions its episodes had; {} on a single-instruction task
-        or a window whose episodes are not all labelled (the first one after resuming an older run)."""
+        as eval names them) and its episodes (`rollout/episodes/<instruction>`, so windows add up)
+        over the instructions its episodes had; {} on a single-instruction task or a window whose
+        episodes are not all labelled (the first one after resuming an older run)."""
         ids, successes = self.window["instructions"], self.window["successes"]
         if len(self.instructions) < 2 or len(ids) != len(successes):
             return {}
         by_id: dict[int, list[float]] = {}
         for index, success in zip(ids, successes):
             by_id.setdefault(int(index), []).append(success)
-        return {f"rollout/success_rate/{self.instructions[index]}": sum(values) / len(values)
-                for index, values in sorted(by_id.items())}
+        rows = {}
+        for index, values in sorted(by_id.items()):
+            rows[f"rollout/success_rate/{self.instructions[index]}"] = sum(values) / len(values)
+            rows[f"rollout/episodes/{self.instructions[index]}"] = len(values)
+        return rows
 
     def _flag_reward_hacking(self, row: dict[str, Any]) -> None:
         """reward=model:PATH: the learned success rate of the window's training episodes minus the

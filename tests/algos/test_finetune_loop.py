@@ -424,9 +424,9 @@ def test_a_decay_needs_the_regulariser_it_schedules(checkpoints, tmp_path, capsy
 
 def test_a_multi_task_window_logs_each_instructions_training_success(tmp_path):
     """Finished episodes carry their instruction id (final_obs["instruction"]); a window's row adds
-    rollout/success_rate/<instruction> per instruction its episodes had, and the window survives a
-    checkpoint. A window whose episodes are not all labelled (one a pre-instruction checkpoint
-    left) logs none rather than misattribute them."""
+    rollout/success_rate/<instruction> and rollout/episodes/<instruction> per instruction its
+    episodes had, and the window survives a checkpoint. A window whose episodes are not all
+    labelled (one a pre-instruction checkpoint left) logs none rather than misattribute them."""
     settings = {"env_steps": 100, "checkpoint_every": 10, "log_every": 10, "eval_every": 0}
     texts = ["push the red block", "stack the cubes", "open the drawer"]
 
@@ -453,6 +453,7 @@ def test_a_multi_task_window_logs_each_instructions_training_success(tmp_path):
     by_instruction = {key: value for key, value in row.items() if key.startswith("rollout/success_rate/")}
     assert by_instruction == {"rollout/success_rate/push the red block": 1.0,
                               "rollout/success_rate/open the drawer": pytest.approx(1 / 3)}
+    assert row["rollout/episodes/push the red block"] == 2 and row["rollout/episodes/open the drawer"] == 3
     # a window holding episodes without an id (recorded before ids were) names no instruction
     resumed.record_episodes([1.0], [1.0])
     resumed.advance(10, finished([1], [1.0]))
