@@ -119,8 +119,8 @@ class Worker:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not select.select([stdout], [], [], remaining)[0]:
                 self.kill()
-                raise WorkerFailure(self, f"no answer to {what!r} within {timeout:g} s (task.process."
-                                          "timeout, timeout=); the worker was stopped")
+                raise WorkerFailure(self, f"no answer to {what!r} within {timeout:g} s (raise it with "
+                                          "task.process.timeout=SECONDS); the worker was stopped")
             chunk = os.read(stdout, 1 << 20)
             if not chunk:
                 raise WorkerFailure(self, self._exit_text(what))
