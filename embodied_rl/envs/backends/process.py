@@ -497,9 +497,9 @@ def make_env(task: str | Any, num_envs: int, device: str | torch.device = "cpu",
 
     Options: python, workers, timeout; factory; env_kwargs (JSON values, to gymnasium.make or
     the factory); task_weights (how a LIBERO suite's envs split across its tasks); for an env id
-    max_episode_steps, render_mode (default "rgb_array") and flatten_obs. obs_mode="pixels" (with image_size) and render_size apply to this package's
-    tasks, whose workers render them; any env whose Dict observation has a "pixels" entry gives
-    pixels anyway.
+    max_episode_steps, render_mode (default "rgb_array") and flatten_obs. obs_mode="pixels" (with
+    image_size) and render_size apply to this package's tasks, whose workers render them; any env
+    whose Dict observation has a "pixels" entry gives pixels anyway.
     """
     from embodied_rl.envs import registry
 
