@@ -19,6 +19,7 @@ entry point; see docs/finetuning.md ("Off-policy").
 from __future__ import annotations
 
 import copy
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,8 +195,11 @@ class DSRL(SAC):
         return self.policy.unscale_action(chosen), chosen
 
     # ---- learning ----
-    def train(self, gradient_steps: int, batch_size: int = 64) -> None:
-        phase = self.warm_start.phase(self.noise_env.env_steps)
+    def train(self, gradient_steps: int, batch_size: int = 64, env_steps: int | None = None) -> None:
+        """`gradient_steps` updates of the current phase; `env_steps` (default: the VecEnv's count) is
+        how many env steps the replay holds, which sets the phase (a pipelined loop passes the count
+        from before the step in flight)."""
+        phase = self.warm_start.phase(self.noise_env.env_steps if env_steps is None else env_steps)
         if phase == WARMUP:
             return
         if self.noise_aliasing:
@@ -373,6 +377,7 @@ class DSRLConfig(AlgoConfig):
     actor_q: str | None         # DSRL-NA only: noise_critic (Q_W) | action_critic (Q_A through the base sampler)
     value_expectile: float | None  # DSRL-NA only: null (TD on the actor's next chunk) or IQL's expectile in (0, 1)
     deploy: str                # judged | latest: what evaluations and checkpoints act with (algos/wsrl.py JudgedWeights)
+    pipeline: bool             # the envs step while the learner trains on the replay so far
 
     @classmethod
     def from_cfg(cls, algo: Any) -> DSRLConfig:
@@ -393,6 +398,7 @@ class DSRLConfig(AlgoConfig):
             ("lr", self.lr > 0, "> 0"),
             ("actor_lr", self.actor_lr is None or (_is_number(self.actor_lr) and float(self.actor_lr) > 0), "null or > 0"),
             deploy_check(self.deploy),
+            ("pipeline", isinstance(self.pipeline, bool), "true or false"),
             ("buffer_size", self.buffer_size >= 1, ">= 1"),
             ("batch_size", self.batch_size >= 1, ">= 1"),
             ("gamma", 0.0 <= self.gamma <= 1.0, "in [0, 1]"),
@@ -618,13 +624,24 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
                 "last_obs": torch.from_numpy(np.asarray(model._last_obs)), "replay": replay_state(model.replay_buffer)}
 
     loop.start(f"finetune {algo.name}", instructions=env.instructions)
+    # with `pipeline` the envs execute the chosen chunks in a thread while the learner trains on the replay
+    # so far, and the new transitions join it after: simulator and learner overlap, and the actor acts on
+    # weights one VecEnv step older than in the serial order (whose update has seen the step it follows)
+    stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsrl-envs") if algo.pipeline else None
     while loop.env_steps < loop.total_env_steps:
         model.policy.set_training_mode(False)
         noise, buffer_noise = model._sample_action(0, None, vec_env.num_envs)
-        new_obs, rewards, dones, infos = vec_env.step(noise)
+        if stepper is None:
+            new_obs, rewards, dones, infos = vec_env.step(noise)
+        else:
+            replayed_env_steps = vec_env.env_steps
+            stepping = stepper.submit(vec_env.step, noise)
+            model.train(model.gradient_steps, model.batch_size, env_steps=replayed_env_steps)
+            new_obs, rewards, dones, infos = stepping.result()
         model.num_timesteps += vec_env.num_envs
         model._store_transition(model.replay_buffer, buffer_noise, new_obs, rewards, dones, infos)  # sets _last_obs
-        model.train(gradient_steps=model.gradient_steps, batch_size=model.batch_size)
+        if stepper is None:
+            model.train(model.gradient_steps, model.batch_size)
 
         loop.advance(vec_env.env_steps - loop.env_steps)
         loop.record_episodes(list(vec_env.episode_returns), [float(s) for s in vec_env.episode_successes],
@@ -638,6 +655,8 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
                 loop.check_finite(key, model.stats[key], model.stats)
         loop.log({**model.stats, "train/phase": {WARMUP: 0, CRITIC: 1, FULL: 2}[model.warm_start.phase(loop.env_steps)]})
         loop.boundary(loop_state)
+    if stepper is not None:
+        stepper.shutdown()
     return loop.finish(loop_state)
 
 

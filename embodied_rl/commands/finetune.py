@@ -116,9 +116,10 @@ def load_base_policy(path: Path, device: str, sampler_steps: int | None = None):
     return policy
 
 
-# Keys a resumed run may change: how long it runs and what it records, not what it trains.
+# Keys a resumed run may change: how long it runs and what it records, how its training envs are spread over
+# a suite's tasks and whether DSRL's envs step while it learns; not what it trains.
 RESUME_MAY_CHANGE = ("env_steps", "eval_every", "eval_episodes", "videos", "checkpoint_every", "log_every",
-                     "save_replay", "task_weights")
+                     "save_replay", "task_weights", "algo.pipeline")
 
 
 def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:

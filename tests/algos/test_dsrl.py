@@ -11,6 +11,8 @@ from embodied_rl.actors.latent_noise import LatentNoiseVecEnv, LayerNormSACPolic
 from embodied_rl.algos.dsrl import DSRL, make_dsrl
 from embodied_rl.data.normalizer import Normalizer
 from embodied_rl.policies import make_policy
+from tests.algos.test_finetune_loop import DSRL as TINY_DSRL
+from tests.test_finetune_cli import TINY, checkpoints  # noqa: F401  (a module fixture)
 
 
 def tiny_policy(obs_dim: int = 8, action_dim: int = 2, seed: int = 0, task: str | None = None):
@@ -381,3 +383,34 @@ def test_bootstrapped_q_stays_in_the_success_rewards_range(variant, clip):
     if variant == "dsrl_na":
         action_q = model.action_critic_target.members(obs, torch.randn(16, 4))
         assert (action_q == 1.0).all() if clip == "auto" else (action_q > 1.0).all()
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_a_pipelined_learner_trains_on_the_replay_so_far_while_the_envs_step_in_a_thread(
+        pipeline, checkpoints, tmp_path, monkeypatch):  # noqa: F811
+    """algo.pipeline: the update that follows the k-th chunk has seen k - 1 transitions (the k-th is in
+    flight, stepped in the envs' thread) and its phase counts their env steps; serially it has seen k,
+    stepped in the main thread."""
+    import threading
+
+    from embodied_rl.cli import main
+
+    seen, stepped_in = [], set()
+    train, step_wait = DSRL.train, LatentNoiseVecEnv.step_wait
+
+    def recording_train(self, gradient_steps, batch_size=64, env_steps=None):
+        seen.append((self.replay_buffer.pos, self.noise_env.env_steps if env_steps is None else env_steps))
+        return train(self, gradient_steps, batch_size, env_steps)
+
+    def recording_step_wait(self):
+        stepped_in.add(threading.current_thread().name.split("_")[0])
+        return step_wait(self)
+
+    monkeypatch.setattr(DSRL, "train", recording_train)
+    monkeypatch.setattr(LatentNoiseVecEnv, "step_wait", recording_step_wait)
+    assert main(["finetune", "algo=dsrl_na", f"checkpoint={checkpoints / 'flow'}", "env_steps=64", "eval_every=0",
+                 f"run_dir={tmp_path / 'run'}", f"algo.pipeline={str(pipeline).lower()}", *TINY_DSRL, *TINY[:-1]]) == 0
+    per_chunk = 64 // len(seen)  # env steps per VecEnv step (every env runs the whole chunk)
+    offset = 0 if pipeline else 1
+    assert seen == [(k + offset, (k + offset) * per_chunk) for k in range(len(seen))] and len(seen) >= 4
+    assert stepped_in == ({"dsrl-envs"} if pipeline else {"MainThread"})

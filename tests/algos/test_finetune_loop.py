@@ -210,6 +210,8 @@ RESUME_CASES = [
          "algo.intervention_prob=0.2", "algo.intervention_steps=5"),
     case("dsrl", "flow", *DSRL),
     case("dsrl_na", "flow", *DSRL),
+    # the envs step in a thread while the learner trains: the run stays deterministic
+    case("dsrl_na", "flow", *DSRL, "algo.pipeline=true", id="dsrl_na-pipeline"),
     case("recap", "flow", "algo.rollout_steps=8", "algo.policy_updates=2", "algo.value_updates=2",
          "algo.batch_size=16"),
     case("qc_fql", "flow", "algo.offline_updates=3", "algo.batch_size=16", "algo.hidden_sizes=[16,16]"),
