@@ -530,6 +530,18 @@ def test_dsrl_ceiling_best_of_n_is_at_least_every_draw(tmp_path, capsys, monkeyp
     assert len(draws) == 3 and max(draws) <= average["best_of_n"]
 
 
+def test_dsrl_pipeline_times_the_serial_and_the_pipelined_learner_in_one_run(tmp_path, capsys):
+    bench = load_benchmark("dsrl_pipeline")
+    save_tiny_reach_flow(tmp_path / "bc")
+    result = bench.run(bench.parse_args(["--checkpoint", str(tmp_path / "bc"), "--task", "reach", "--num-envs", "4",
+                                         "--env-steps", "64", "--utd", "1", "--batch-size", "16", "--repeats", "1",
+                                         "algo.hidden_sizes=[16,16]"]))
+    speeds = result["env_steps_per_s"]
+    assert set(speeds) == {"serial", "pipelined"} and min(speeds.values()) > 0
+    assert result["ratio"] == pytest.approx(speeds["pipelined"] / speeds["serial"])
+    assert "pipelined (repeat 0)" in capsys.readouterr().out
+
+
 def test_residual_ceiling_runs_bc_at_scale_zero_and_the_expert_at_full_scale(tmp_path, capsys):
     from embodied_rl import envs
     from embodied_rl.envs.experts import make_expert

@@ -636,7 +636,8 @@ def finetune(cfg: Any, run: Any, env: Any, policy: Any) -> dict[str, Any]:
         else:
             replayed_env_steps = vec_env.env_steps
             stepping = stepper.submit(vec_env.step, noise)
-            model.train(model.gradient_steps, model.batch_size, env_steps=replayed_env_steps)
+            if model.replay_buffer.size():  # the first chunk's update has nothing to learn from yet
+                model.train(model.gradient_steps, model.batch_size, env_steps=replayed_env_steps)
             new_obs, rewards, dones, infos = stepping.result()
         model.num_timesteps += vec_env.num_envs
         model._store_transition(model.replay_buffer, buffer_noise, new_obs, rewards, dones, infos)  # sets _last_obs

@@ -386,16 +386,17 @@ def test_bootstrapped_q_stays_in_the_success_rewards_range(variant, clip):
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
+@pytest.mark.parametrize("warm_up", [[], ["algo.warmup_env_steps=0", "algo.critic_only_steps=0"]], ids=["warm-up", "none"])
 def test_a_pipelined_learner_trains_on_the_replay_so_far_while_the_envs_step_in_a_thread(
-        pipeline, checkpoints, tmp_path, monkeypatch):  # noqa: F811
-    """algo.pipeline: the update that follows the k-th chunk has seen k - 1 transitions (the k-th is in
-    flight, stepped in the envs' thread) and its phase counts their env steps; serially it has seen k,
-    stepped in the main thread."""
+        pipeline, warm_up, checkpoints, tmp_path, monkeypatch):  # noqa: F811
+    """algo.pipeline: the update made while the k+1-th chunk is in flight (stepped in the envs' thread)
+    has seen k transitions and its phase counts their env steps, so none is made during the first;
+    serially the update after the k-th chunk has seen k, stepped in the main thread."""
     import threading
 
     from embodied_rl.cli import main
 
-    seen, stepped_in = [], set()
+    seen, stepped_in = [], []
     train, step_wait = DSRL.train, LatentNoiseVecEnv.step_wait
 
     def recording_train(self, gradient_steps, batch_size=64, env_steps=None):
@@ -403,14 +404,16 @@ def test_a_pipelined_learner_trains_on_the_replay_so_far_while_the_envs_step_in_
         return train(self, gradient_steps, batch_size, env_steps)
 
     def recording_step_wait(self):
-        stepped_in.add(threading.current_thread().name.split("_")[0])
+        stepped_in.append(threading.current_thread().name.split("_")[0])
         return step_wait(self)
 
     monkeypatch.setattr(DSRL, "train", recording_train)
     monkeypatch.setattr(LatentNoiseVecEnv, "step_wait", recording_step_wait)
     assert main(["finetune", "algo=dsrl_na", f"checkpoint={checkpoints / 'flow'}", "env_steps=64", "eval_every=0",
-                 f"run_dir={tmp_path / 'run'}", f"algo.pipeline={str(pipeline).lower()}", *TINY_DSRL, *TINY[:-1]]) == 0
-    per_chunk = 64 // len(seen)  # env steps per VecEnv step (every env runs the whole chunk)
-    offset = 0 if pipeline else 1
-    assert seen == [(k + offset, (k + offset) * per_chunk) for k in range(len(seen))] and len(seen) >= 4
-    assert stepped_in == ({"dsrl-envs"} if pipeline else {"MainThread"})
+                 f"run_dir={tmp_path / 'run'}", f"algo.pipeline={str(pipeline).lower()}", *TINY_DSRL, *TINY[:-1],
+                 *warm_up]) == 0
+    chunks = len(stepped_in)
+    per_chunk = 64 // chunks  # env steps per VecEnv step (every env runs the whole chunk)
+    updates = chunks - 1 if pipeline else chunks
+    assert chunks >= 4 and seen == [(k, k * per_chunk) for k in range(1, updates + 1)]
+    assert set(stepped_in) == ({"dsrl-envs"} if pipeline else {"MainThread"})
