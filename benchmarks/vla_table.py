@@ -17,7 +17,7 @@ checkpoint):
 
  1. collect     --demos expert demos at --quality (tabletop: with --image-size frames; the seen
                 instructions only; at most 50 per instruction on average), at most
-                --per-instruction per instruction
+                --per-instruction per instruction, --mistakes of them with a recovery (LIBERO)
  2. pretrain    policy=vla (tabletop obs=pixels, MT10 obs=state), --pretrain-steps steps at
                 batch --batch-size
  3. eval BC     on the seen instructions (--eval-episodes) and, on tabletop, on the held-out
@@ -157,7 +157,8 @@ def collect(root: Path, args) -> dict:
         shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted collect
         pixels = ["pixels=true", f"image_size={args.image_size}"] if args.suite.obs == "pixels" else []
         per_instruction = [] if args.per_instruction is None else [f"per_instruction={args.per_instruction}"]
-        _cli(["collect", *task_args(args.suite), *pixels, f"demos={args.demos}", f"quality={args.quality}",
+        mistakes = [f"mistakes={args.mistakes}"] if args.mistakes else []
+        _cli(["collect", *task_args(args.suite), *pixels, f"demos={args.demos}", f"quality={args.quality}", *mistakes,
               *per_instruction, f"num_envs={args.collect_envs}", f"seed={args.seed}", f"run_dir={run_dir}"])
     info = json.loads((run_dir / "collect_info.json").read_text())
     return {"dataset": info["dataset"], "demos": info["episodes_written"], "wall_s": info["wall_time_s"],
@@ -457,6 +458,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--demos", type=int, help="expert demos (default: the suite's; tabletop 300, 25 per seen "
                         f"instruction); at most {MAX_DEMOS_PER_INSTRUCTION} per seen instruction")
     parser.add_argument("--quality", type=float, help="expert quality of the demos (default: the suite's)")
+    parser.add_argument("--mistakes", type=float, default=0.0,
+                        help="share of demos with a deliberate mistake and its recovery (collect's mistakes=; LIBERO)")
     parser.add_argument("--per-instruction", type=int, help="at most this many demos per instruction (default: the "
                         "suite's; MT50 5)")
     parser.add_argument("--image-size", type=int, default=64, help="tabletop's frames")

@@ -45,6 +45,8 @@ def test_collect_pixels_and_failures_kept(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("demos=0", "demos must be >= 1"),
     ("quality=1.5", "quality must be in [0, 1]"),
+    ("mistakes=1.5", "mistakes must be a number in [0, 1]"),
+    ("mistakes=0.5", "task 'reach''s expert makes no deliberate mistakes"),
     ("num_envs=0", "num_envs must be an integer >= 1"),
     ("task=nope", "unknown task 'nope'"),
     ("backend=bullet", "unknown backend 'bullet'"),

@@ -71,6 +71,9 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
         if cfg.quality != cfg.task.get("quality", cfg.quality):
             raise UserError("quality sets the scripted expert's quality; a checkpoint's rollouts have none "
                             "(leave quality out with checkpoint=)")
+        if cfg.mistakes:
+            raise UserError("mistakes sets how often the scripted expert errs and recovers; a checkpoint's rollouts "
+                            "have none (leave mistakes out with checkpoint=)")
     elif cfg.action_noise:
         raise UserError("action_noise perturbs a checkpoint's actions; the scripted expert's noise is quality= "
                         "(set checkpoint=PATH, or leave action_noise out)")
@@ -86,6 +89,16 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
         raise UserError(f"demos must be >= 1, got {cfg.demos}")
     if not 0.0 <= float(cfg.quality) <= 1.0:
         raise UserError(f"quality must be in [0, 1], got {cfg.quality}")
+    mistakes = cfg.mistakes
+    if not isinstance(mistakes, (int, float)) or isinstance(mistakes, bool) or not 0.0 <= float(mistakes) <= 1.0:
+        raise UserError(f"mistakes must be a number in [0, 1] (a share of episodes), got {mistakes!r}")
+    if mistakes and cfg.checkpoint is None and cfg.task.get("expert") is not False:
+        from embodied_rl.envs.registry import expert_module, import_module
+
+        expert = import_module(expert_module(cfg.task.name), f"task '{cfg.task.name}' has no scripted expert").Expert
+        if not expert.makes_mistakes:
+            raise UserError(f"task '{cfg.task.name}''s expert makes no deliberate mistakes (mistakes=: LIBERO's "
+                            "experts); set mistakes=0")
     if cfg.per_instruction is not None and (not isinstance(cfg.per_instruction, int)
                                             or isinstance(cfg.per_instruction, bool) or cfg.per_instruction < 1):
         raise UserError(f"per_instruction must be null or an integer >= 1, got {cfg.per_instruction!r}")
@@ -263,7 +276,8 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
             agent = NoisyAgent(agent, float(cfg.action_noise), int(cfg.seed) + 2)
         if agent is None:
             generator = torch.Generator().manual_seed(int(cfg.seed) + 1)
-            agent = make_expert(cfg.task.name, env, quality=float(cfg.quality), generator=generator)
+            agent = make_expert(cfg.task.name, env, quality=float(cfg.quality), generator=generator,
+                                mistakes=float(cfg.mistakes))
         max_episodes = cfg.max_episodes if cfg.max_episodes is not None else 20 * cfg.demos
         # a task without success (reward-only, e.g. hopper) keeps every stable episode
         has_success = bool(env.task.has_success)
@@ -285,7 +299,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
             f"the {who} kept no episode in {attempted} attempts (success rate {success_rate or 0:.2f}); "
             + ("raise quality or set only_success=false" if who == "expert" else "set only_success=false")
         )
-    source = ({"quality": float(cfg.quality)} if who == "expert"
+    source = ({"quality": float(cfg.quality), "mistakes": float(cfg.mistakes)} if who == "expert"
               else {"checkpoint": str(checkpoint), "action_noise": float(cfg.action_noise)})
     attrs = {
         "task": cfg.task.name, "obs_dim": obs_dim, "action_dim": action_dim, **source, "seed": int(cfg.seed),

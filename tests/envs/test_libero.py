@@ -212,6 +212,68 @@ def test_the_expert_succeeds(task):
             assert (before >= stage).any(), (stage, rewards)
 
 
+def run_plan(plan, state: np.ndarray, steps: int) -> list[int]:
+    """Step a PickPlace plan against a stand-in for the arm: the hand moves by each action (a full
+    action: 1.2 cm), the fingers close or open 4 mm a step, and the bowl rides with the hand only if
+    the fingers closed within a centimetre of the rim's grasp point. Returns the phase per step."""
+    from embodied_rl.envs.experts.libero import POSE, ROBOT
+
+    state = state.copy()
+    bowl = slice(ROBOT + POSE * plan.picked, ROBOT + POSE * plan.picked + 3)
+    held, phases = None, []
+    for _ in range(steps):
+        action = plan.act(state)
+        phases.append(plan.phase)
+        state[:3] += 0.012 * action[:3]
+        state[7] = float(np.clip(state[7] - 0.004 * action[6], 0.0, 0.04))
+        rim = state[bowl] + [0.0, plan.side[1], plan.grasp.height]
+        if held is None and state[7] < 0.01 and np.linalg.norm(state[:2] - rim[:2]) < 0.01:
+            held = state[bowl] - state[:3]  # the fingers closed on the rim
+        if held is not None and state[7] >= 0.01:
+            held = None  # released
+        if held is not None:
+            state[bowl] = state[:3] + held
+    return phases
+
+
+def test_the_libero_expert_grasps_again_after_a_miss():
+    """A first grasp off target (a deliberate miss: the rim outside the open fingers) lifts an empty
+    hand; the plan sees the bowl left behind, reopens, grasps at the rim and carries it on."""
+    from embodied_rl.envs.experts.libero import APPROACH, CARRY, LIFT, PickPlace
+
+    description = libero.suites()["libero_spatial"]["tasks"][0]  # the bowl between the plate and the ramekin
+    objects = description["objects"]
+    state = np.zeros(libero.ROBOT_DIM + libero.OBJECT_DIM * len(objects))
+    state[:8] = [0.0, 0.0, 1.1, 1.0, 0.0, 0.0, 0.0, 0.04]  # the hand up, pointing down, open
+    for k, position in enumerate([(0.1, -0.1, 0.9), (0.0, 0.15, 0.9), (-0.1, 0.0, 0.9), (0.1, 0.0, 0.9),
+                                  (0.0, 0.25, 0.9)]):
+        state[libero.ROBOT_DIM + libero.OBJECT_DIM * k:][:3] = position
+    clean = run_plan(PickPlace(objects, description["goal"]), state, 200)
+    missed = PickPlace(objects, description["goal"], miss=0.035)
+    phases = run_plan(missed, state, 300)
+    assert APPROACH not in clean[clean.index(LIFT):] and CARRY in clean  # a clean grasp holds
+    first_lift = phases.index(LIFT)
+    assert APPROACH in phases[first_lift:], "the missed grasp is never retried"
+    assert missed.grasps == 2 and CARRY in phases[first_lift:]
+
+
+@needs_libero
+@pytest.mark.e2e
+def test_collect_with_mistakes_records_the_miss_and_the_regrasp(tmp_path):
+    """mistakes=1: the demo closes the fingers twice (the deliberate miss, then the grasp that
+    carries the bowl to the plate), and collect_info records the share."""
+    from embodied_rl.data.dataset import read_actions
+    from embodied_rl.envs.experts.libero import CLOSE_STEPS
+
+    assert main(["collect", "task=libero/libero_spatial/0", "mistakes=1.0", "demos=1", "num_envs=1",
+                 f"run_dir={tmp_path}"]) == 0
+    info = json.loads((tmp_path / "collect_info.json").read_text())
+    assert info["mistakes"] == 1.0 and info["episodes_written"] == 1
+    closing = read_actions(tmp_path / "demos.zarr")[:, 6] > 0.5  # +1 closes the fingers (short runs keep a width)
+    runs = [len(run) for run in "".join("c" if c else " " for c in closing).split() if len(run) >= CLOSE_STEPS]
+    assert len(runs) == 2, runs  # the grasp that missed, then the one held to the plate
+
+
 @needs_libero
 @pytest.mark.slow
 def test_task_weights_give_the_weighted_tasks_the_envs(tmp_path):

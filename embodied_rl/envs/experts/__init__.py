@@ -11,6 +11,9 @@ Experts may read privileged state (`env.state`, a SimState, and `env.task`'s bou
 `quality` in [0, 1] degrades the expert: 1 is the best expert; lower adds action noise, random
 hesitation (zero actions held for a few steps) and slower motion. `ScriptedExpert` implements
 that degradation once; a task's expert implements `plan(obs) -> clean actions [N, A]`.
+`mistakes` in [0, 1] is the share of episodes in which the expert makes a deliberate mistake and
+recovers from it (experts with `makes_mistakes`: LIBERO's first grasp off target, then a regrasp),
+so demos hold the states and actions of a recovery, which clean demos never visit.
 `TargetExpert` is the base of the experts whose actions are position targets.
 """
 
@@ -39,10 +42,18 @@ class ScriptedExpert:
     slow_scale: float = 0.5
     hesitate_prob: float = 0.08
     hesitate_steps: int = 5
+    makes_mistakes: bool = False  # whether plan() honours `mistakes`
 
-    def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None):
+    def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None,
+                 mistakes: float = 0.0):
         if not 0.0 <= float(quality) <= 1.0:
             raise UserError(f"quality must be in [0, 1], got {quality}")
+        if not 0.0 <= float(mistakes) <= 1.0:
+            raise UserError(f"mistakes must be in [0, 1], got {mistakes}")
+        if mistakes > 0 and not self.makes_mistakes:
+            raise UserError(f"task '{env.task.name}''s expert makes no deliberate mistakes (mistakes=: LIBERO's "
+                            "experts); set mistakes=0")
+        self.mistakes = float(mistakes)
         self.env = env
         self.task = env.task
         self.quality = float(quality)
@@ -91,8 +102,9 @@ class TargetExpert(ScriptedExpert):
     hesitate_prob = 0.05
     hesitate_steps = 3
 
-    def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None):
-        super().__init__(env, quality, generator)
+    def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None,
+                 mistakes: float = 0.0):
+        super().__init__(env, quality, generator, mistakes)
         self.speed = 0.5 + 0.5 * self.quality  # the share of a full step that plan() moves
         self.hold = torch.zeros(self.num_envs, self.task.action_dim)
 
@@ -100,9 +112,10 @@ class TargetExpert(ScriptedExpert):
         return self.hold
 
 
-def make_expert(task_name: str, env: Any, quality: float = 1.0, generator: torch.Generator | None = None):
+def make_expert(task_name: str, env: Any, quality: float = 1.0, generator: torch.Generator | None = None,
+                mistakes: float = 0.0):
     """The scripted expert of `task_name` for `env` (a BatchedEnv of that task)."""
     from embodied_rl.envs.registry import expert_module, import_module
 
     module = import_module(expert_module(task_name), f"task '{task_name}' has no scripted expert")
-    return module.Expert(env, quality=quality, generator=generator)
+    return module.Expert(env, quality=quality, generator=generator, mistakes=mistakes)

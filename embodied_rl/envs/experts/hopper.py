@@ -76,8 +76,9 @@ class Expert(ScriptedExpert):
     hesitate_steps = 3
     weights_path: str | Path | None = None  # tests point this elsewhere
 
-    def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None):
-        super().__init__(env, quality=quality, generator=generator)
+    def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None,
+                 mistakes: float = 0.0):
+        super().__init__(env, quality=quality, generator=generator, mistakes=mistakes)
         self.actor = load_actor(self.weights_path)
 
     def plan(self, obs: Any) -> Tensor:

@@ -16,6 +16,12 @@ ending when the hand is near its target (or stalled just short of it, or after a
   RELEASE   open the fingers (the object drops into the basket or onto the plate)
   RETREAT   up (the episode usually ended at RELEASE: LIBERO's success ends it)
 
+A grasp that misses or loses the object (during LIFT and CARRY the object does not keep its
+offset from the hand) sends the plan back to APPROACH: the fingers reopen on the way up to the
+object's new position and it grasps again, at most MAX_GRASPS times. With `mistakes` > 0 that
+share of episodes starts with a grasp point deliberately off target across the fingers (the
+object outside the open fingers), so the demos show the miss and the regrasp.
+
 The hand points down, turned about the vertical by the task's yaw, held by a proportional
 rotation command; positions are proportional commands too (a full action moves the hand about
 1.2 cm per step). Grasps depend on the object's category (`GRASPS`: sizes read off LIBERO's
@@ -76,6 +82,8 @@ TURN = 0.5  # a full rotation action asks for this many radians
 GAIN, TURN_GAIN = 2.0, 1.0
 HOVER, LIFT_MIN, CLEAR, DROP, MARGIN = 0.08, 0.1, 0.08, 0.03, 0.012
 TOLERANCE, TOLERANCE_XY, CLOSE_STEPS, TIME_OUT = 0.008, 0.01, 10, 30
+LOST, MAX_GRASPS = 0.05, 3  # the object moved this far from where the hand held it: grasp again
+MISS = (0.005, 0.015)  # a deliberate miss puts the object this far outside the open fingers
 HAND = np.array([0.03, 0.11])  # half size of the hand's footprint: its long side is across the fingers
 ROBOT, POSE = libero.ROBOT_DIM, libero.OBJECT_DIM
 
@@ -106,7 +114,7 @@ class PickPlace:
     """One episode's plan: pick `objects[k]` and put it on or in the goal's target."""
 
     def __init__(self, objects: list[str], goal: list[list[str]], yaw: float = 0.0,
-                 side: tuple[float, float] | None = None):
+                 side: tuple[float, float] | None = None, miss: float = 0.0):
         _, picked, target = goal[0]
         self.picked = objects.index(picked)
         self.target = objects.index(target.replace("_contain_region", ""))
@@ -119,6 +127,10 @@ class PickPlace:
         self.previous: np.ndarray | None = None
         self.hold_xy = np.zeros(2)
         self.carry_z = 0.0
+        # the first grasp's offset across the fingers (a deliberate miss), then the grasps made
+        self.miss = miss * np.array([-math.sin(yaw), math.cos(yaw)])
+        self.grasps = 0
+        self.held: np.ndarray | None = None  # the object's offset from the hand when the lift began
 
     @staticmethod
     def position(state: np.ndarray, k: int) -> np.ndarray:
@@ -144,10 +156,15 @@ class PickPlace:
     def act(self, state: np.ndarray) -> np.ndarray:
         """The 7-d action (delta position, delta rotation, gripper) for this step."""
         grasp, hand, finger = self.grasp, state[:3], float(state[7])
-        target_pos = self.position(state, self.target)
+        target_pos, picked = self.position(state, self.target), self.position(state, self.picked)
+        if self.phase in (LIFT, CARRY) and np.linalg.norm(picked - hand - self.held) > LOST \
+                and self.grasps < MAX_GRASPS:
+            self.phase, self.count, self.shift, self.previous = APPROACH, 0, None, None  # missed or dropped
         if self.shift is None:
             self.shift = self.choose_shift(state)
-        grasp_point = self.position(state, self.picked) + [self.shift + self.side[0], self.side[1], grasp.height]
+        grasp_point = picked + [self.shift + self.side[0], self.side[1], grasp.height]
+        if self.grasps == 0:
+            grasp_point[:2] += self.miss
         # the hand height at which the object's bottom is `above` over the target's surface
         over_target = target_pos[2] + self.surface + (grasp.height - grasp.bottom)
         place = np.array([target_pos[0] + self.side[0], target_pos[1] + self.side[1], over_target + DROP])
@@ -162,7 +179,7 @@ class PickPlace:
             RELEASE: (place, FINGER_OPEN),
         }.get(self.phase, (place + [0.0, 0.0, 0.1], FINGER_OPEN))
         error = goal - hand
-        self.advance(hand, error, over_target)
+        self.advance(hand, picked, error, over_target)
         action = np.zeros(7)
         action[:3] = np.clip(error / STEP * GAIN, -1.0, 1.0)
         action[3:6] = np.clip(rotation_error(state[3:7], self.yaw) / TURN * TURN_GAIN, -1.0, 1.0)
@@ -174,7 +191,7 @@ class PickPlace:
             action[6] = 1.0 if finger > width + 0.003 else (-1.0 if finger < width - 0.003 else 0.0)
         return action
 
-    def advance(self, hand: np.ndarray, error: np.ndarray, over_target: float) -> None:
+    def advance(self, hand: np.ndarray, picked: np.ndarray, error: np.ndarray, over_target: float) -> None:
         """Move to the next phase when this one is done."""
         self.count += 1
         # stalled: the hand stopped just short of its target (a load, a contact); close enough
@@ -196,15 +213,19 @@ class PickPlace:
         if self.phase == CLOSE:  # lift straight up, high enough to clear the target (and at least LIFT_MIN)
             self.hold_xy = hand[:2].copy()
             self.carry_z = max(over_target + CLEAR, hand[2] + LIFT_MIN)
+            self.held = picked - hand
+            self.grasps += 1
         self.phase, self.count = self.phase + 1, 0
 
 
 class Expert(ScriptedExpert):
     noise_scale = 0.3
     slow_scale = 0.0  # slowing the gripper command would loosen the grasp
+    makes_mistakes = True  # a first grasp off target, then a regrasp
 
-    def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None):
-        super().__init__(env, quality=quality, generator=generator)
+    def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None,
+                 mistakes: float = 0.0):
+        super().__init__(env, quality=quality, generator=generator, mistakes=mistakes)
         suite = self.task.suite
         if suite not in libero.EXPERT_SUITES:
             raise UserError(f"task '{self.task.name}' has no scripted expert (LIBERO's experts cover "
@@ -228,6 +249,12 @@ class Expert(ScriptedExpert):
                 task_id = self.task.suite_tasks[int(instruction[i])]
                 yaw, side = SPECIAL.get((self.suite, task_id), (0.0, None))
                 description = self.tasks[task_id]
-                self.plans[i] = PickPlace(description["objects"], description["goal"], yaw, side)
+                miss = 0.0
+                if self.mistakes > 0 and float(torch.rand(1, generator=self.generator)) < self.mistakes:
+                    picked = GRASPS[category(description["goal"][0][1])]
+                    sign = 1.0 if float(torch.rand(1, generator=self.generator)) < 0.5 else -1.0
+                    beyond = MISS[0] + (MISS[1] - MISS[0]) * float(torch.rand(1, generator=self.generator))
+                    miss = sign * (2 * picked.half_width + MARGIN + beyond)
+                self.plans[i] = PickPlace(description["objects"], description["goal"], yaw, side, miss)
             actions[i] = self.plans[i].act(state[i])
         return torch.from_numpy(actions).float()

@@ -31,8 +31,9 @@ CLOSE_STEPS = 3
 class Expert(TargetExpert):
     noise_scale = 0.04
 
-    def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None):
-        super().__init__(env, quality, generator)
+    def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None,
+                 mistakes: float = 0.0):
+        super().__init__(env, quality, generator, mistakes)
         self.phase = torch.zeros(self.num_envs, dtype=torch.long)
         self.timer = torch.zeros(self.num_envs, dtype=torch.long)
         self.other_faces = torch.zeros(self.num_envs, dtype=torch.bool)

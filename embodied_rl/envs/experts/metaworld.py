@@ -36,8 +36,9 @@ class Expert(ScriptedExpert):
     noise_scale = 0.3
     slow_scale = 0.0
 
-    def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None):
-        super().__init__(env, quality=quality, generator=generator)
+    def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None,
+                 mistakes: float = 0.0):
+        super().__init__(env, quality=quality, generator=generator, mistakes=mistakes)
         policies = policy_map()
         suite_tasks = env.task.suite_tasks
         per_task = self.num_envs // len(suite_tasks)

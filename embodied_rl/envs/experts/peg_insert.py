@@ -25,8 +25,9 @@ TRAVEL_HEIGHT = 0.1  # metres above the rim
 class Expert(TargetExpert):
     noise_scale = 0.02  # action units (1 = 15 cm): 3 mm of noise at quality 0
 
-    def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None):
-        super().__init__(env, quality, generator)
+    def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None,
+                 mistakes: float = 0.0):
+        super().__init__(env, quality, generator, mistakes)
         self.direct = torch.zeros(self.num_envs, dtype=torch.bool)
         self.pre_insert = torch.full((self.num_envs,), 0.02)
         self.reset()

@@ -86,8 +86,9 @@ class Expert(TargetExpert):
     noise_scale = 0.06  # action units (1 = 25 cm): 1.5 cm of target noise at quality 0
     hesitate_steps = 4
 
-    def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None):
-        super().__init__(env, quality, generator)
+    def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None,
+                 mistakes: float = 0.0):
+        super().__init__(env, quality, generator, mistakes)
         self.points, self.normals = contact_candidates()
         self.contact = torch.full((self.num_envs,), -1, dtype=torch.long)
         self.side = torch.ones(self.num_envs)

@@ -33,8 +33,9 @@ PICK, PUT, TOUCH = 0, 1, 2
 class Expert(TargetExpert):
     noise_scale = 0.04
 
-    def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None):
-        super().__init__(env, quality, generator)
+    def __init__(self, env: Any, quality: float = 1.0, generator: torch.Generator | None = None,
+                 mistakes: float = 0.0):
+        super().__init__(env, quality, generator, mistakes)
         n = self.num_envs
         self.phase = torch.zeros(n, dtype=torch.long)
         self.timer = torch.zeros(n, dtype=torch.long)
