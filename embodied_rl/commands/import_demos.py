@@ -133,6 +133,7 @@ def main(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         "expert_success_rate": float(np.mean([e["success"] for e in episodes])) if demos.has_success else None,
         "demo_return_mean": float(np.mean([e["reward"].sum() for e in episodes])) if demos.has_reward else None,
         "quality": None,
+        "mistakes": None,
         "per_instruction": None,
         "seed": None,
         "pixels": demos.camera is not None,

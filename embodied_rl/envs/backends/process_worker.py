@@ -364,8 +364,11 @@ def main():
             answer = {"ok": False, "env": error.env, "error": str(error)}
         except Exception as error:
             answer = {"ok": False, "env": None, "error": one_line(error)}
-        answers.write(json.dumps(answer) + "\n")
-        answers.flush()
+        try:
+            answers.write(json.dumps(answer) + "\n")
+            answers.flush()
+        except BrokenPipeError:  # the parent went away mid-call: nobody to answer, nothing to report
+            os._exit(0)
     worker.close()  # stdin closed: the parent closed the env or went away
 
 
