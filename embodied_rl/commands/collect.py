@@ -93,12 +93,12 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
     if not isinstance(mistakes, (int, float)) or isinstance(mistakes, bool) or not 0.0 <= float(mistakes) <= 1.0:
         raise UserError(f"mistakes must be a number in [0, 1] (a share of episodes), got {mistakes!r}")
     if mistakes and cfg.checkpoint is None and cfg.task.get("expert") is not False:
+        from embodied_rl.envs.experts import no_mistakes
         from embodied_rl.envs.registry import expert_module, import_module
 
         expert = import_module(expert_module(cfg.task.name), f"task '{cfg.task.name}' has no scripted expert").Expert
-        if not expert.makes_mistakes:
-            raise UserError(f"task '{cfg.task.name}''s expert makes no deliberate mistakes (mistakes=: LIBERO's "
-                            "experts); set mistakes=0")
+        if not expert.makes_mistakes:  # refused before the run directory exists
+            raise no_mistakes(cfg.task.name)
     if cfg.per_instruction is not None and (not isinstance(cfg.per_instruction, int)
                                             or isinstance(cfg.per_instruction, bool) or cfg.per_instruction < 1):
         raise UserError(f"per_instruction must be null or an integer >= 1, got {cfg.per_instruction!r}")

@@ -27,6 +27,12 @@ from torch import Tensor
 from embodied_rl.errors import UserError
 
 
+def no_mistakes(task_name: str) -> UserError:
+    """The error for mistakes > 0 with an expert that makes none."""
+    return UserError(f"task '{task_name}''s expert makes no deliberate mistakes (mistakes=: LIBERO's experts); "
+                     "set mistakes=0")
+
+
 class ScriptedExpert:
     """Base class: `act` = `plan` degraded according to `quality`.
 
@@ -51,8 +57,7 @@ class ScriptedExpert:
         if not 0.0 <= float(mistakes) <= 1.0:
             raise UserError(f"mistakes must be in [0, 1], got {mistakes}")
         if mistakes > 0 and not self.makes_mistakes:
-            raise UserError(f"task '{env.task.name}''s expert makes no deliberate mistakes (mistakes=: LIBERO's "
-                            "experts); set mistakes=0")
+            raise no_mistakes(env.task.name)
         self.mistakes = float(mistakes)
         self.env = env
         self.task = env.task
