@@ -823,3 +823,26 @@ def test_dsrl_best_of_n_executes_the_candidate_its_action_critics_value_most(tmp
     best = q.reshape(2, 6).argmax(1) + torch.tensor([0, 6])
     assert torch.equal(chosen, executed[best])
     assert not torch.equal(executed[0], executed[1])  # the candidates differ, so the choice is not trivial
+
+
+def test_training_windows_prints_a_runs_training_success_per_instruction(tmp_path, capsys):
+    bench = load_benchmark("training_windows")
+    rows = [{"step": 100, "rollout/success_rate/push": 1.0, "rollout/episodes/push": 2},
+            {"step": 200, "rollout/success_rate/push": 0.0, "rollout/episodes/push": 1,
+             "rollout/success_rate/reach": 0.5, "rollout/episodes/reach": 2}]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert bench.main([str(tmp_path / "run"), "--window", "100"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0] == "| instruction | 0-100 (2 ep.) | 100-200 (3 ep.) |"
+    assert "| push | 100.0% | 0.0% |" in out and "| (all) | 100.0% | 33.3% |" in out
+    assert json.loads(out[-1])["100-200 (3 ep.)"]["reach"] == 0.5
+
+    (tmp_path / "single").mkdir()  # bad input: one line, exit 2
+    (tmp_path / "single" / "metrics.jsonl").write_text(json.dumps({"step": 100, "rollout/episodes": 3}) + "\n")
+    for argv, message in [([str(tmp_path / "missing")], "has no metrics.jsonl"),
+                          ([str(tmp_path / "run"), "--window", "0"], "--window must be >= 1"),
+                          ([str(tmp_path / "single")], "no training episodes per instruction")]:
+        assert bench.main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1

@@ -280,7 +280,7 @@ def test_put_firing_measures_a_reward_model_against_the_cube_to_pad_distance(bc,
 def test_training_rows_log_each_instructions_success(bc, tmp_path, capsys):
     """On a multi-task suite every fine-tuning loop's logging rows hold the training success per
     instruction (rollout/success_rate/<instruction>), as its evaluations do: the env-step loops
-    (residual TD3), DSRL's noise env and GRPO's groups."""
+    (residual TD3), DSRL's noise env and GRPO's groups; report.md tabulates them."""
     from embodied_rl import envs
 
     instructions = set(envs.make("tabletop", num_envs=1).instructions)
@@ -299,3 +299,8 @@ def test_training_rows_log_each_instructions_success(bc, tmp_path, capsys):
         for row in windows:
             seen = {key.removeprefix("rollout/success_rate/") for key in row if key.startswith("rollout/success_rate/")}
             assert seen and seen <= instructions, (algo, row)
+        # report.md: those episodes per instruction, by spans of env steps
+        table = (run_dir / "report.md").read_text().split("## Training episodes per instruction")[1].split("##")[0]
+        logged = {key.removeprefix("rollout/episodes/") for row in windows for key in row
+                  if key.startswith("rollout/episodes/")}
+        assert all(f"| {text} | " in table for text in logged) and "| (all) | " in table, (algo, table)

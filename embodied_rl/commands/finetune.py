@@ -205,6 +205,7 @@ def write_finetune_report(cfg: DictConfig, run: Any) -> Path:
         learning_curve,
         run_section,
         success_table,
+        training_windows,
         video_links,
         write_report,
     )
@@ -237,10 +238,14 @@ def write_finetune_report(cfg: DictConfig, run: Any) -> Path:
         final = json.loads(run.file("eval_info.json").read_text())
     except (OSError, ValueError):
         final = {}
+    training = training_windows(rows)  # a multi-task run's rollouts per instruction, by spans of env steps
     sections = [
         ("Result", success_table(results) if results else "_no evaluation was logged (eval_every=0)_"),
         *([("Success per instruction", instruction_table(by_instruction))]
           if any(by_instruction.values()) else []),
+        *([("Training episodes per instruction", instruction_table(training) + "\n\nThe training rollouts' "
+             "success (exploration on) per span of env steps; (all): every instruction's episodes together.")]
+          if training else []),
         ("Learning curve", learning_curve(rows, run.file("plots", "learning_curve.png"), run.path,
                                           f"{cfg.task.name}: {cfg.algo.name} fine-tuning")),
         *([("Learned vs true success", learned_reward_curve(rows, run.file("plots", "learned_reward.png"), run.path))]

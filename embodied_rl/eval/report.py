@@ -121,6 +121,48 @@ def instruction_table(columns: Mapping[str, Mapping[str, float]]) -> str:
     return "\n".join(lines)
 
 
+ALL_INSTRUCTIONS = "(all)"
+
+
+def training_windows(rows: Sequence[Mapping[str, Any]], window: int | None = None,
+                     windows: int = 5) -> dict[str, dict[str, float]]:
+    """A multi-task run's training episodes by spans of env steps: for each span (`window` env
+    steps, default a round size that makes about `windows` spans of the logged steps) the success
+    rate per instruction and over all, each logging row weighted by its episodes
+    (rollout/episodes/<instruction>). Columns are labelled with the span and its episodes, as
+    instruction_table reads them; {} when no row counts episodes per instruction (one task)."""
+    prefix, counts = "rollout/episodes/", "rollout/success_rate/"
+    logged = [row for row in rows if any(key.startswith(prefix) for key in row)]
+    if not logged:
+        return {}
+    last = max(int(row["step"]) for row in logged)
+    if window is None:  # about `windows` spans, their size rounded up to one significant digit
+        size = -(-last // windows)
+        magnitude = 10 ** (len(str(size)) - 1)
+        window = -(-size // magnitude) * magnitude
+    if window < 1:
+        raise ValueError(f"window must be >= 1 env step, got {window}")
+    tallies: dict[int, dict[str, list[float]]] = {}  # span -> instruction -> [successes, episodes]
+    for row in logged:
+        span = tallies.setdefault(max(int(row["step"]) - 1, 0) // window, {})
+        for key, episodes in row.items():
+            if key.startswith(prefix) and episodes:
+                text = key.removeprefix(prefix)
+                for name in (ALL_INSTRUCTIONS, text):
+                    tally = span.setdefault(name, [0.0, 0])
+                    tally[0] += row[counts + text] * episodes
+                    tally[1] += episodes
+    columns = {}
+    for index, span in sorted(tallies.items()):
+        label = f"{_steps(index * window)}-{_steps(min((index + 1) * window, last))} ({span[ALL_INSTRUCTIONS][1]} ep.)"
+        columns[label] = {text: successes / episodes for text, (successes, episodes) in span.items()}
+    return columns
+
+
+def _steps(step: int) -> str:
+    return f"{step // 1000}k" if step >= 1000 and step % 1000 == 0 else str(step)
+
+
 def relative_link(path: str | Path, base: str | Path) -> str:
     """`path` relative to the report's folder, with forward slashes (markdown links)."""
     try:

@@ -6,6 +6,7 @@ from embodied_rl.eval.report import (
     instruction_table,
     plot_curve,
     success_table,
+    training_windows,
     video_links,
     write_report,
 )
@@ -67,3 +68,22 @@ def test_instruction_table_lines_up_each_instructions_success_across_evaluations
     assert table.splitlines() == ["| instruction | start (step 0) | fine-tuned (step 50) |", "|---|---|---|",
                                   "| open the drawer | 30.0% | - |", "| push the block | 100.0% | 90.0% |",
                                   "| stack the cubes | - | 55.0% |"]
+
+
+def test_training_windows_weigh_each_logging_row_by_its_episodes():
+    rows = [{"step": 0, "eval/success_rate": 0.5},  # an evaluation row: no training episodes
+            {"step": 100, "rollout/success_rate/push": 1.0, "rollout/episodes/push": 1,
+             "rollout/success_rate/reach": 0.0, "rollout/episodes/reach": 3},
+            {"step": 200, "rollout/success_rate/push": 0.5, "rollout/episodes/push": 4},
+            {"step": 300, "rollout/success_rate/push": 0.0, "rollout/episodes/push": 2,
+             "rollout/success_rate/reach": 1.0, "rollout/episodes/reach": 2}]
+    columns = training_windows(rows, window=200)
+    # steps 1-200: push 1 + 2 successes of 5, reach 0 of 3; 201-300: push 0 of 2, reach 2 of 2
+    assert columns == {"0-200 (8 ep.)": {"(all)": 3 / 8, "push": 3 / 5, "reach": 0.0},
+                       "200-300 (4 ep.)": {"(all)": 0.5, "push": 0.0, "reach": 1.0}}
+    # the default span: about five of the logged steps, rounded up to one significant digit (300 / 5 -> 60)
+    assert list(training_windows(rows)) == ["60-120 (4 ep.)", "180-240 (4 ep.)", "240-300 (4 ep.)"]
+    assert list(training_windows([{**row, "step": 1000 * row["step"]} for row in rows], window=100_000)) == \
+        ["0-100k (4 ep.)", "100k-200k (4 ep.)", "200k-300k (4 ep.)"]
+    # a single-task run logs no episodes per instruction
+    assert training_windows([{"step": 100, "rollout/success_rate": 1.0, "rollout/episodes": 3}]) == {}
