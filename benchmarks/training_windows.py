@@ -30,10 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.run_dir / "metrics.jsonl").is_file():
         print(f"error: {args.run_dir} has no metrics.jsonl: not a run directory", file=sys.stderr)
         return 2
-    if args.window is not None and args.window < 1:
-        print(f"error: --window must be >= 1 env step, got {args.window}", file=sys.stderr)
+    try:
+        columns = training_windows(read_metrics(args.run_dir), window=args.window)
+    except ValueError as error:  # a window below one env step
+        print(f"error: --{error}", file=sys.stderr)
         return 2
-    columns = training_windows(read_metrics(args.run_dir), window=args.window)
     if not columns:
         print(f"error: {args.run_dir} logged no training episodes per instruction (a single-task run, or no "
               "episode ended yet)", file=sys.stderr)

@@ -131,7 +131,7 @@ def training_windows(rows: Sequence[Mapping[str, Any]], window: int | None = Non
     rate per instruction and over all, each logging row weighted by its episodes
     (rollout/episodes/<instruction>). Columns are labelled with the span and its episodes, as
     instruction_table reads them; {} when no row counts episodes per instruction (one task)."""
-    prefix, counts = "rollout/episodes/", "rollout/success_rate/"
+    prefix, rates = "rollout/episodes/", "rollout/success_rate/"
     logged = [row for row in rows if any(key.startswith(prefix) for key in row)]
     if not logged:
         return {}
@@ -150,7 +150,7 @@ def training_windows(rows: Sequence[Mapping[str, Any]], window: int | None = Non
                 text = key.removeprefix(prefix)
                 for name in (ALL_INSTRUCTIONS, text):
                     tally = span.setdefault(name, [0.0, 0])
-                    tally[0] += row[counts + text] * episodes
+                    tally[0] += row[rates + text] * episodes
                     tally[1] += episodes
     columns = {}
     for index, span in sorted(tallies.items()):
